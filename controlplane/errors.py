@@ -1,0 +1,68 @@
+"""The few errors the domain and the store raise. `web/` maps each to a status and a code once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ControlPlaneError(Exception):
+    """Base of every error we raise on purpose. `code` is the stable wire code."""
+
+    code = "server-error"
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class InvalidInput(ControlPlaneError):
+    code = "validation-error"
+
+
+class EmptyRequiredLabels(InvalidInput):
+    code = "empty-required-labels"
+
+
+class EmptyRunnerLabels(InvalidInput):
+    code = "empty-runner-labels"
+
+
+class RunnerLabelsReserved(InvalidInput):
+    code = "runner-labels-reserved"
+
+
+class NotFound(ControlPlaneError):
+    code = "not-found"
+
+
+class RunningJobExecutionNotFound(NotFound):
+    code = "running-job-execution-not-found"
+
+    def __init__(self) -> None:
+        super().__init__("Running job execution not found")
+
+
+class Conflict(ControlPlaneError):
+    code = "conflict"
+
+
+class RunnerSessionExhausted(Conflict):
+    code = "runner-session-exhausted"
+
+    def __init__(self) -> None:
+        super().__init__("The runner session has no claims left")
+
+
+class Unavailable(ControlPlaneError):
+    """The database is unreachable or timed out; the request may be retried."""
+
+    code = "unavailable"
+
+
+class ConfigError(ControlPlaneError):
+    code = "config-error"
+
+
+class MigrationError(ControlPlaneError):
+    code = "migration-error"

@@ -1,0 +1,341 @@
+"""The lease side of job executions: heartbeat, complete, reconcile, the reaper, cancel-session.
+
+Lock order is the one in store/queue.py. Who may touch an existing running row:
+
+* heartbeat updates exactly one running row, then the session row. It takes no execution lock;
+  it never waits on anything a running-row holder waits for (no one holding a session row waits
+  on a running row), so it closes no cycle;
+* every other writer of an existing running row (complete, reconcile, cancel-session, put-back,
+  the reaper) holds that execution's advisory lock first. The blocking ones take their locks
+  before any row; the reaper only try-locks, so it never waits on an execution lock at all. Two
+  of them can therefore never both hold rows the other waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+
+from controlplane.domain.jobs import (
+    EndedLease,
+    EventType,
+    HeartbeatResult,
+    JobIdentity,
+    Outcome,
+    ReconcileResult,
+    StaleRule,
+)
+from controlplane.errors import RunningJobExecutionNotFound
+from controlplane.store import events, locks
+from controlplane.store.pool import Conn
+from controlplane.store.queue import lock_executions
+from controlplane.store.records import IDENTITY_COLUMNS, identity, json_text, json_value
+
+# The stale predicate, as in domain.jobs.StaleRule ($1 = grace, $2 = threshold).
+_STALE = """(
+    (first_heartbeat_at IS NULL AND last_heartbeat_at <= started_at
+        AND started_at < now() - $1::interval)
+    OR ((first_heartbeat_at IS NOT NULL OR last_heartbeat_at > started_at)
+        AND last_heartbeat_at < now() - $2::interval)
+)"""
+
+_NO_CAPABILITIES = object()
+
+
+async def heartbeat(
+    conn: Conn,
+    job_execution_id: UUID,
+    runner_session_id: UUID,
+    capabilities: Any = _NO_CAPABILITIES,
+) -> HeartbeatResult:
+    """Refresh the lease held by this session; report whether cancellation was requested.
+
+    Unlike the reference, omitting `capabilities` keeps the stored report (it only ages); an
+    explicit None clears it. Raises RunningJobExecutionNotFound, changing nothing, when the
+    session holds no lease on the execution.
+
+    Locks: the running row (UPDATE), then the session row (SELECT ... FOR UPDATE, UPDATE).
+    """
+    async with conn.transaction():
+        row = await conn.fetchrow(
+            f"""
+            UPDATE running_jobs
+            SET first_heartbeat_at = COALESCE(first_heartbeat_at, now()), last_heartbeat_at = now()
+            WHERE job_execution_id = $1 AND runner_session_id = $2
+            RETURNING {IDENTITY_COLUMNS}, cancellation_requested_at
+            """,
+            job_execution_id,
+            runner_session_id,
+        )
+        if row is None:
+            raise RunningJobExecutionNotFound()
+        previous = await conn.fetchval(
+            "SELECT tool_capabilities::text FROM runner_sessions WHERE id = $1 FOR UPDATE",
+            runner_session_id,
+        )
+        if capabilities is _NO_CAPABILITIES:
+            await conn.execute(
+                "UPDATE runner_sessions SET updated_at = now() WHERE id = $1", runner_session_id
+            )
+            current = json_value(previous)
+        else:
+            await conn.execute(
+                """
+                UPDATE runner_sessions
+                SET tool_capabilities = $2::jsonb,
+                    tool_capabilities_reported_at = CASE WHEN $2 IS NULL THEN NULL ELSE now() END,
+                    updated_at = now()
+                WHERE id = $1
+                """,
+                runner_session_id,
+                None if capabilities is None else json_text(capabilities),
+            )
+            current = capabilities
+    return HeartbeatResult(
+        identity=identity(row),
+        cancellation_requested=row["cancellation_requested_at"] is not None,
+        previous_capabilities=json_value(previous),
+        current_capabilities=current,
+    )
+
+
+async def _end(
+    conn: Conn,
+    jobs: Sequence[JobIdentity],
+    outcome: Outcome,
+    ended_by: str,
+    event_type: EventType,
+    extra: dict[str, Any],
+) -> set[UUID]:
+    """Write tombstones; for the executions that had none, write the one terminal event."""
+    if not jobs:
+        return set()
+    rows = await conn.fetch(
+        """
+        INSERT INTO ended_executions (job_execution_id, workspace_id, job_id, outcome, ended_by)
+        SELECT ex, ws, job, $4, $5 FROM unnest($1::uuid[], $2::uuid[], $3::uuid[]) AS t(ex, ws, job)
+        ON CONFLICT (job_execution_id) DO NOTHING
+        RETURNING job_execution_id
+        """,
+        [job.job_execution_id for job in jobs],
+        [job.workspace_id for job in jobs],
+        [job.job_id for job in jobs],
+        str(outcome),
+        ended_by,
+    )
+    fresh = {row["job_execution_id"] for row in rows}
+    await events.write(
+        conn,
+        [
+            (event_type, job, events.identity_payload(job, outcome=str(outcome), **extra))
+            for job in jobs
+            if job.job_execution_id in fresh
+        ],
+    )
+    return fresh
+
+
+def _ended_lease(row: asyncpg.Record, fresh: set[UUID]) -> EndedLease:
+    return EndedLease(
+        identity=identity(row),
+        provisioner_id=row["provisioner_id"],
+        provider_runner_id=row["provider_runner_id"],
+        cancellation_requested=row["cancellation_requested_at"] is not None,
+        newly_ended=row["job_execution_id"] in fresh,
+    )
+
+
+async def complete(
+    conn: Conn, job_execution_id: UUID, runner_session_id: UUID, outcome: Outcome
+) -> EndedLease:
+    """The runner finished: remove its lease at once and record the outcome.
+
+    The tombstone and the `job.completed` event are written only if the execution had not ended
+    already (an orchestrator cancel comes first and keeps its record).
+
+    Locks: execution lock (blocking) -> pending row (orphan sweep) -> running row (delete) ->
+    tombstone -> events.
+    """
+    if outcome == Outcome.EXPIRED:
+        raise ValueError("a runner cannot complete with 'expired'")
+    async with conn.transaction():
+        await lock_executions(conn, [job_execution_id])
+        await conn.execute("DELETE FROM pending_jobs WHERE job_execution_id = $1", job_execution_id)
+        row = await conn.fetchrow(
+            f"""
+            DELETE FROM running_jobs WHERE job_execution_id = $1 AND runner_session_id = $2
+            RETURNING {IDENTITY_COLUMNS}, provisioner_id, provider_runner_id,
+                      cancellation_requested_at
+            """,
+            job_execution_id,
+            runner_session_id,
+        )
+        if row is None:
+            raise RunningJobExecutionNotFound()
+        fresh = await _end(
+            conn, [identity(row)], outcome, "runner", EventType.COMPLETED, {"ended_by": "runner"}
+        )
+    return _ended_lease(row, fresh)
+
+
+async def reconcile(
+    conn: Conn, job_execution_id: UUID, status: Outcome, reason: str | None = None
+) -> ReconcileResult:
+    """The orchestrator says the execution is over (cancelled, or done elsewhere).
+
+    A pending row is deleted; a running lease is asked to stop (the first request time is kept)
+    and stays until its runner completes or the reaper takes it. Either way a tombstone is
+    written, also for an execution we have never seen, so an enqueue replay arriving late can
+    never bring it back. The `job.cancelled` event is written once, and only for an execution we
+    had.
+
+    Locks: execution lock (blocking) -> pending row (delete) -> running row (update) ->
+    tombstone -> events. Same order as claim for the two rows; claim only try-locks the
+    execution, so no deadlock. A claim that already holds the lock commits first and its lease
+    is then born cancelled.
+    """
+    if status == Outcome.EXPIRED:
+        raise ValueError("the orchestrator cannot end an execution as 'expired'")
+    async with conn.transaction():
+        await lock_executions(conn, [job_execution_id])
+        pending = await conn.fetchrow(
+            f"DELETE FROM pending_jobs WHERE job_execution_id = $1 RETURNING {IDENTITY_COLUMNS}",
+            job_execution_id,
+        )
+        running = await conn.fetchrow(
+            f"""
+            UPDATE running_jobs
+            SET cancellation_requested_at = COALESCE(cancellation_requested_at, now())
+            WHERE job_execution_id = $1
+            RETURNING {IDENTITY_COLUMNS}
+            """,
+            job_execution_id,
+        )
+        known = running or pending
+        if known is not None:
+            extra: dict[str, Any] = {"reason": reason, "was": "running" if running else "pending"}
+            fresh = await _end(
+                conn, [identity(known)], status, "orchestrator", EventType.CANCELLED, extra
+            )
+        else:
+            inserted = await conn.fetchval(
+                """
+                INSERT INTO ended_executions (job_execution_id, outcome, ended_by)
+                VALUES ($1, $2, 'orchestrator') ON CONFLICT DO NOTHING RETURNING true
+                """,
+                job_execution_id,
+                str(status),
+            )
+            fresh = {job_execution_id} if inserted else set()
+    return ReconcileResult(
+        was_pending=pending is not None,
+        was_running=running is not None,
+        newly_ended=job_execution_id in fresh,
+    )
+
+
+async def reap(conn: Conn, rule: StaleRule, *, limit: int = 100) -> list[EndedLease]:
+    """Expire stale leases: at most `limit` per call, oldest-stale first; each exactly once.
+
+    1. Scan the stale rows ordered by their stale instant, then id, and try-lock each one's
+       execution, stopping after `limit` successes. The candidates are materialised first and the
+       try-lock applied while reading them in order, so we lock only what we keep plus the busy
+       ones we skip (the reference could lock rows past its limit). Rows whose lock is held
+       (being completed, reconciled, reaped by another replica) are skipped for this tick.
+    2. Sweep pending orphans of those executions, before touching any running row, so we never
+       hold a running row while waiting for a pending row a claim holds.
+    3. Delete the running rows, re-checking staleness: a heartbeat that committed meanwhile
+       (or that we waited for) keeps its row.
+    4. Tombstone and one `job.lease_expired` event for executions not already ended.
+
+    Locks: execution try-locks -> pending rows -> running rows -> tombstones -> events.
+    """
+    async with conn.transaction():
+        picked = await conn.fetch(
+            f"""
+            WITH stale AS MATERIALIZED (
+                SELECT id, job_execution_id
+                FROM running_jobs
+                WHERE {_STALE}
+                ORDER BY CASE WHEN first_heartbeat_at IS NULL AND last_heartbeat_at <= started_at
+                              THEN started_at ELSE last_heartbeat_at END, id
+            )
+            SELECT id, job_execution_id FROM stale
+            WHERE pg_try_advisory_xact_lock({locks.sql_key(locks.EXECUTION, "job_execution_id")})
+            LIMIT $3
+            """,
+            rule.grace,
+            rule.threshold,
+            limit,
+        )
+        if not picked:
+            return []
+        await conn.execute(
+            "DELETE FROM pending_jobs WHERE job_execution_id = ANY($1::uuid[])",
+            [row["job_execution_id"] for row in picked],
+        )
+        deleted = await conn.fetch(
+            f"""
+            DELETE FROM running_jobs WHERE id = ANY($3::uuid[]) AND {_STALE}
+            RETURNING {IDENTITY_COLUMNS}, provisioner_id, provider_runner_id,
+                      cancellation_requested_at
+            """,
+            rule.grace,
+            rule.threshold,
+            [row["id"] for row in picked],
+        )
+        fresh = await _end(
+            conn,
+            [identity(row) for row in deleted],
+            Outcome.EXPIRED,
+            "reaper",
+            EventType.LEASE_EXPIRED,
+            {},
+        )
+    return [_ended_lease(row, fresh) for row in deleted]
+
+
+async def cancel_session_jobs(conn: Conn, runner_session_id: UUID) -> list[UUID]:
+    """Ask every lease of a session to stop (its runner is going away). Returns the executions.
+
+    This is a request, not an end: each lease ends when its runner completes or when it expires.
+    Locks: execution locks of the session's leases (blocking, ascending key order) -> running rows.
+    """
+    async with conn.transaction():
+        ids = [
+            row["job_execution_id"]
+            for row in await conn.fetch(
+                "SELECT job_execution_id FROM running_jobs WHERE runner_session_id = $1",
+                runner_session_id,
+            )
+        ]
+        if not ids:
+            return []
+        await lock_executions(conn, ids)
+        rows = await conn.fetch(
+            f"""
+            UPDATE running_jobs
+            SET cancellation_requested_at = COALESCE(cancellation_requested_at, now())
+            WHERE runner_session_id = $1 AND job_execution_id = ANY($2::uuid[])
+              AND cancellation_requested_at IS NULL
+            RETURNING {IDENTITY_COLUMNS}
+            """,
+            runner_session_id,
+            ids,
+        )
+        await events.write(
+            conn,
+            [
+                (EventType.CANCEL_REQUESTED, identity(row), events.identity_payload(identity(row)))
+                for row in rows
+            ],
+        )
+    return [row["job_execution_id"] for row in rows]
+
+
+def stale_rule(threshold_s: float, grace_s: float) -> StaleRule:
+    return StaleRule(threshold=timedelta(seconds=threshold_s), grace=timedelta(seconds=grace_s))

@@ -1,0 +1,75 @@
+"""The asyncpg pool, with the settings every connection carries, and error translation.
+
+Every connection gets a statement timeout (so a lock wait can never hang a request forever) and
+an application name. asyncpg errors that mean "the database is not there right now" become
+`Unavailable`; everything else is translated by SQLSTATE where it is raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+
+from controlplane.errors import Unavailable
+
+Pool = asyncpg.Pool
+# A store function runs on a dedicated connection or on one borrowed from the pool.
+Conn = asyncpg.Connection | PoolConnectionProxy
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    url: str
+    min_size: int = 2
+    max_size: int = 20
+    statement_timeout_ms: int = 10_000
+    lock_timeout_ms: int = 5_000
+    application_name: str = "controlplane"
+
+
+def server_settings(settings: PoolSettings) -> dict[str, str]:
+    return {
+        "statement_timeout": str(settings.statement_timeout_ms),
+        "lock_timeout": str(settings.lock_timeout_ms),
+        "application_name": settings.application_name,
+        "timezone": "UTC",
+    }
+
+
+async def create_pool(settings: PoolSettings) -> Pool:
+    try:
+        pool = await asyncpg.create_pool(
+            settings.url,
+            min_size=settings.min_size,
+            max_size=settings.max_size,
+            server_settings=server_settings(settings),
+        )
+    except (OSError, asyncpg.PostgresConnectionError) as error:
+        raise Unavailable(f"cannot connect to the database: {error}") from error
+    assert pool is not None
+    return pool
+
+
+async def connect(settings: PoolSettings) -> asyncpg.Connection:
+    """A dedicated connection, outside the pool (session locks, LISTEN)."""
+    try:
+        return await asyncpg.connect(settings.url, server_settings=server_settings(settings))
+    except (OSError, asyncpg.PostgresConnectionError) as error:
+        raise Unavailable(f"cannot connect to the database: {error}") from error
+
+
+@contextlib.asynccontextmanager
+async def translated() -> AsyncIterator[None]:
+    """Turn connection loss and timeouts into `Unavailable`."""
+    try:
+        yield
+    except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as error:
+        raise Unavailable(f"database unavailable: {error}") from error
+    except asyncpg.QueryCanceledError as error:
+        raise Unavailable(f"database statement timed out: {error}") from error
+    except asyncpg.LockNotAvailableError as error:
+        raise Unavailable(f"database lock wait timed out: {error}") from error

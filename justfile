@@ -1,0 +1,37 @@
+# controlplane tasks. `just --list` shows them all.
+venv := ".venv"
+py := venv / "bin/python"
+
+# Create the virtualenv and install the project with its dev tools.
+setup:
+    test -x {{py}} || python3 -m venv {{venv}}
+    {{py}} -m pip install --quiet --upgrade pip
+    {{py}} -m pip install --quiet -e '.[dev]'
+
+# Run the daemon (embedded PostgreSQL unless a database URL is configured).
+serve *ARGS:
+    {{venv}}/bin/controlplane serve {{ARGS}}
+
+# Apply pending migrations.
+migrate *ARGS:
+    {{venv}}/bin/controlplane migrate {{ARGS}}
+
+# Run the test suite against real PostgreSQL.
+test *ARGS:
+    {{py}} -m pytest {{ARGS}}
+
+# Lint, format check, strict typing, then the tests.
+check:
+    {{venv}}/bin/ruff check .
+    {{venv}}/bin/ruff format --check .
+    {{venv}}/bin/mypy
+    {{py}} -m pytest -q
+
+# Format the tree.
+fmt:
+    {{venv}}/bin/ruff format .
+    {{venv}}/bin/ruff check --fix .
+
+# Run the benchmarks (never part of the test run).
+bench *ARGS:
+    {{py}} -m bench {{ARGS}}
