@@ -10,10 +10,12 @@ class ControlPlaneError(Exception):
 
     code = "server-error"
 
-    def __init__(self, message: str, **details: Any) -> None:
+    def __init__(self, message: str, *, code: str | None = None, **details: Any) -> None:
         super().__init__(message)
         self.message = message
         self.details = details
+        if code is not None:
+            self.code = code
 
 
 class InvalidInput(ControlPlaneError):
@@ -66,3 +68,31 @@ class ConfigError(ControlPlaneError):
 
 class MigrationError(ControlPlaneError):
     code = "migration-error"
+
+
+class Unauthorized(ControlPlaneError):
+    """Missing, malformed, unknown, expired or revoked credentials (the code says which)."""
+
+    code = "unauthorized"
+
+    def __init__(self, message: str = "missing or invalid credentials", *, code: str | None = None):
+        super().__init__(message, code=code)
+
+
+class Forbidden(ControlPlaneError):
+    code = "forbidden"
+
+
+class LeaseJobMismatch(NotFound):
+    code = "lease-job-mismatch"
+
+    def __init__(self) -> None:
+        super().__init__("The lease token is for another job execution")
+
+
+class PayloadTooLarge(ControlPlaneError):
+    code = "payload-too-large"
+
+
+class ShuttingDown(Unavailable):
+    code = "shutting-down"

@@ -12,13 +12,11 @@ for it.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import pwd
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +95,7 @@ class EmbeddedPostgres:
         self.data_dir = self.data_dir.expanduser().resolve()
         self._as_root = os.geteuid() == 0
         self._user: pwd.struct_passwd | None = None
+        self.owned = False  # True when this object started the server (and so stops it)
 
     @property
     def url(self) -> str:
@@ -154,7 +153,12 @@ class EmbeddedPostgres:
             )
             if result.returncode != 0:
                 raise EmbeddedPostgresError(f"initdb failed: {result.stderr.strip()}")
-        self._stop_leftover()
+        if self.running():
+            # Another process of ours already runs it on this folder: share it, never stop it.
+            self.port = self._running_port()
+            self.owned = False
+            return self.url
+        self.owned = True
         if self.port == 0:
             self.port = free_port()
         options = [
@@ -188,11 +192,10 @@ class EmbeddedPostgres:
             raise EmbeddedPostgresError(f"pg_ctl start failed: {result.stderr.strip()}\n{tail}")
         return self.url
 
-    def _stop_leftover(self) -> None:
-        """A server left running on this folder by a killed process is stopped first."""
-        if (self.data_dir / "postmaster.pid").exists():
-            self._run(["pg_ctl", "-D", str(self.data_dir), "-m", "fast", "-w", "stop"])
-            # pg_ctl refuses when the pid file is stale; postgres then removes it at start.
+    def _running_port(self) -> int:
+        # postmaster.pid: pid, data dir, start time, port, ...
+        lines = (self.data_dir / "postmaster.pid").read_text().splitlines()
+        return int(lines[3])
 
     def running(self) -> bool:
         result = self._run(["pg_ctl", "-D", str(self.data_dir), "status"])
@@ -204,14 +207,3 @@ class EmbeddedPostgres:
         result = self._run(["pg_ctl", "-D", str(self.data_dir), "-m", mode, "-w", "stop"])
         if result.returncode != 0 and self.running():
             raise EmbeddedPostgresError(f"pg_ctl stop failed: {result.stderr.strip()}")
-
-    def wait_accepting(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), 1),
-            ):
-                return
-            time.sleep(0.05)
-        raise EmbeddedPostgresError(f"server on port {self.port} did not accept connections")

@@ -20,6 +20,8 @@ from controlplane.domain.jobs import EventType, JobIdentity
 from controlplane.store.pool import Conn
 from controlplane.store.records import json_text, json_value
 
+EVENTS_CHANNEL = "cp_events"
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -55,6 +57,8 @@ async def write(
     ]
     if not rows:
         return
+    # Wakes event-feed long-polls on every replica, at commit; PostgreSQL folds repeats.
+    await conn.execute("SELECT pg_notify($1, '')", EVENTS_CHANNEL)
     await conn.execute(
         """
         INSERT INTO events (event_type, workspace_id, job_execution_id, payload)

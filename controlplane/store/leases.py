@@ -43,6 +43,10 @@ _STALE = """(
         AND last_heartbeat_at < now() - $2::interval)
 )"""
 
+# Reconcile and cancel-session notify this channel with the execution id, delivered at commit,
+# so a heartbeat held on any replica learns of the cancel at once.
+CANCEL_CHANNEL = "cp_cancel"
+
 _NO_CAPABILITIES = object()
 
 
@@ -216,6 +220,8 @@ async def reconcile(
             job_execution_id,
         )
         known = running or pending
+        if running is not None:
+            await conn.execute("SELECT pg_notify($1, $2)", CANCEL_CHANNEL, str(job_execution_id))
         if known is not None:
             extra: dict[str, Any] = {"reason": reason, "was": "running" if running else "pending"}
             fresh = await _end(
@@ -333,6 +339,11 @@ async def cancel_session_jobs(conn: Conn, runner_session_id: UUID) -> list[UUID]
                 (EventType.CANCEL_REQUESTED, identity(row), events.identity_payload(identity(row)))
                 for row in rows
             ],
+        )
+        await conn.execute(
+            "SELECT pg_notify($1, ex) FROM unnest($2::text[]) AS ex",
+            CANCEL_CHANNEL,
+            [str(row["job_execution_id"]) for row in rows],
         )
     return [row["job_execution_id"] for row in rows]
 

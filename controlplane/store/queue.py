@@ -14,13 +14,15 @@ with two deliberate exceptions that cannot wait, and so cannot close a cycle:
 Every transaction that waits for an execution lock (enqueue, reconcile, complete, put-back,
 cancel-session) takes it before touching any row, and takes several in ascending key order.
 
-NOTIFY: enqueue and put-back notify channel `cp_enqueued` with the workspace id, once per
-workspace per transaction; PostgreSQL delivers it at commit, so a woken waiter always finds the row.
+NOTIFY: enqueue and put-back notify channel `cp_enqueued` with the workspace id and the job's
+labels, once per distinct pair per transaction; PostgreSQL delivers it at commit, so a woken
+waiter always finds the row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from uuid import UUID
 
@@ -31,6 +33,7 @@ from controlplane.domain.jobs import (
     NewJob,
     SessionClaims,
 )
+from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.errors import EmptyRequiredLabels, RunnerSessionExhausted
 from controlplane.store import events, locks
 from controlplane.store.pool import Conn
@@ -45,6 +48,11 @@ MAX_BUSY_HEADS = 16
 _EXECUTION_TRY_LOCK = (
     f"pg_try_advisory_xact_lock({locks.sql_key(locks.EXECUTION, 'p.job_execution_id')})"
 )
+
+
+def enqueued_payload(workspace_id: UUID, labels: LabelSet) -> str:
+    """`<workspace>|<label>,<label>`: who to wake, and which waiters could match."""
+    return f"{workspace_id}|{','.join(labels)}"
 
 
 async def lock_executions(conn: Conn, execution_ids: Sequence[UUID]) -> None:
@@ -65,6 +73,9 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
     its running row; a concurrent reaper, reconcile or complete likewise leaves a tombstone that we
     see. Idempotent: a replay while pending changes nothing (the first write wins).
     """
+    # Canonical labels are the caller's duty, but a non-canonical set stored here could never
+    # match a session (whose labels are canonical): canonicalise again, it is idempotent.
+    jobs = [replace(job, required_labels=canonicalise(job.required_labels)) for job in jobs]
     if any(not job.required_labels for job in jobs):
         raise EmptyRequiredLabels("required labels are empty after canonicalisation")
     first: dict[UUID, int] = {}  # execution -> index of its first occurrence in `jobs`
@@ -114,12 +125,16 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
                 [j.queued_at for j in todo],
             )
             inserted = {row["job_execution_id"] for row in rows}
-            workspaces = sorted({str(row["workspace_id"]) for row in rows})
-            if workspaces:
+            labels_of = {j.identity.job_execution_id: j.required_labels for j in todo}
+            wakes = sorted(
+                {
+                    enqueued_payload(row["workspace_id"], labels_of[row["job_execution_id"]])
+                    for row in rows
+                }
+            )
+            if wakes:
                 await conn.execute(
-                    "SELECT pg_notify($1, ws) FROM unnest($2::text[]) AS ws",
-                    ENQUEUED_CHANNEL,
-                    workspaces,
+                    "SELECT pg_notify($1, w) FROM unnest($2::text[]) AS w", ENQUEUED_CHANNEL, wakes
                 )
     results = []
     for index, job in enumerate(jobs):
@@ -315,5 +330,9 @@ async def put_back(conn: Conn, job_execution_id: UUID, runner_session_id: UUID) 
         )
         job = identity(row)
         await events.write(conn, [(EventType.REQUEUED, job, events.identity_payload(job))])
-        await conn.execute("SELECT pg_notify($1, $2)", ENQUEUED_CHANNEL, str(job.workspace_id))
+        await conn.execute(
+            "SELECT pg_notify($1, $2)",
+            ENQUEUED_CHANNEL,
+            enqueued_payload(job.workspace_id, tuple(row["required_labels"])),
+        )
     return True

@@ -1,0 +1,280 @@
+"""Long-poll dispatch: one actor per workspace with parked runners, on each replica.
+
+A runner's job request parks a `Waiter` with the workspace actor. The actor owns, in memory and in
+arrival order, every waiter of its workspace on this replica, and is the only code that claims
+for them, so claims for one workspace never interleave within a replica.
+
+Wake-ups, each coalesced into the actor's pending *hint* (the label sets of new work, or "all"):
+* a NOTIFY on `cp_enqueued` from any replica (payload: workspace and the job's labels), delivered by
+  the listener after the enqueue committed;
+* a new waiter (it is tried at once, alone);
+* a safety tick while waiters are parked, for notifications lost while the listener reconnected;
+  after a reconnect the listener also wakes every actor.
+
+A pass walks the waiters in arrival order and claims, one transaction per matched waiter. A waiter
+whose labels cannot match the hint is not tried; once a claim for label set L finds nothing, no
+waiter whose labels are a subset of L is tried again in that pass (it could only find less). So a
+burst of N jobs reaches N waiters with about N claims, and an idle workspace costs nothing but its
+tick (one claim per distinct label set).
+
+Delivery and put-back. A claim is handed to its waiter only if the waiter is still waiting; the
+request handler marks a waiter abandoned when its deadline passes or its client disconnects, in
+the same event-loop step as it stops waiting, so exactly one side owns the job: a claim made for
+an abandoned waiter is put back at its original queue position at once, never left to expire.
+
+Bounds: at most `max_waiters` per workspace (then the request is refused as overloaded); the hint
+holds at most `_MAX_HINTS` label sets before it collapses to "all".
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+from uuid import UUID
+
+import anyio
+from anyio.abc import TaskGroup
+
+from controlplane.domain.jobs import ClaimedJob, SessionClaims
+from controlplane.domain.labels import LabelSet
+from controlplane.errors import ControlPlaneError, ShuttingDown, Unavailable
+
+log = logging.getLogger("controlplane.dispatch")
+
+_MAX_HINTS = 64
+_ALL = None  # a hint of None means: anything may have changed
+
+
+class ClaimStore(Protocol):
+    async def claim(self, session: SessionClaims) -> ClaimedJob | None: ...
+
+    async def put_back(self, job_execution_id: UUID, runner_session_id: UUID) -> bool: ...
+
+
+class WaiterState(enum.Enum):
+    WAITING = "waiting"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+    ABANDONED = "abandoned"
+
+
+@dataclass(eq=False)
+class Waiter:
+    session: SessionClaims
+    state: WaiterState = WaiterState.WAITING
+    job: ClaimedJob | None = None
+    error: ControlPlaneError | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+    def deliver(self, job: ClaimedJob) -> bool:
+        if self.state is not WaiterState.WAITING:
+            return False
+        self.state, self.job = WaiterState.DELIVERED, job
+        self.done.set()
+        return True
+
+    def fail(self, error: ControlPlaneError) -> None:
+        if self.state is WaiterState.WAITING:
+            self.state, self.error = WaiterState.FAILED, error
+            self.done.set()
+
+    def abandon(self) -> bool:
+        """Stop waiting. False when a job was delivered first (the caller then owns it)."""
+        if self.state is WaiterState.WAITING:
+            self.state = WaiterState.ABANDONED
+            self.done.set()
+        return self.state is not WaiterState.DELIVERED
+
+
+def _covered(labels: LabelSet, exhausted: Iterable[LabelSet]) -> bool:
+    own = set(labels)
+    return any(own <= set(other) for other in exhausted)
+
+
+def _wanted(labels: LabelSet, hint: set[LabelSet] | None) -> bool:
+    if hint is None:
+        return True
+    own = set(labels)
+    return any(set(required) <= own for required in hint)
+
+
+class WorkspaceActor:
+    def __init__(self, workspace_id: UUID, store: ClaimStore, tick_seconds: float) -> None:
+        self.workspace_id = workspace_id
+        self._store = store
+        self._tick = tick_seconds
+        self._waiters: list[Waiter] = []
+        self._new: list[Waiter] = []
+        self._hint: set[LabelSet] | None = set()
+        self._wake = anyio.Event()
+
+    @property
+    def parked(self) -> int:
+        return len(self._waiters) + len(self._new)
+
+    def park(self, waiter: Waiter) -> None:
+        self._new.append(waiter)
+        self._wake.set()
+
+    def wake(self, labels: LabelSet | None) -> None:
+        if labels is None or self._hint is None:
+            self._hint = _ALL
+        else:
+            self._hint.add(labels)
+            if len(self._hint) > _MAX_HINTS:
+                self._hint = _ALL
+        self._wake.set()
+
+    def drain(self, error: ControlPlaneError) -> None:
+        for waiter in [*self._waiters, *self._new]:
+            waiter.fail(error)
+        self._waiters.clear()
+        self._new.clear()
+
+    async def run(self, idle_seconds: float) -> None:
+        """Serve until nobody has waited for `idle_seconds`, then return (the caller retires us)."""
+        while True:
+            with anyio.move_on_after(self._tick if self._waiters else idle_seconds) as scope:
+                await self._wake.wait()
+            if scope.cancelled_caught:
+                if not self._waiters and not self._new:
+                    return
+                self._hint = _ALL
+            self._wake = anyio.Event()
+            await self._pass()
+
+    async def _pass(self) -> None:
+        self._waiters = [w for w in self._waiters if w.state is WaiterState.WAITING]
+        newcomers, self._new = self._new, []
+        hint, self._hint = self._hint, set()
+        exhausted: list[LabelSet] = []
+        if hint is _ALL or hint:
+            for waiter in list(self._waiters):
+                labels = waiter.session.labels
+                tried = _wanted(labels, hint) and not _covered(labels, exhausted)
+                if tried and not await self._try(waiter):
+                    exhausted.append(labels)
+        for waiter in newcomers:
+            # Newcomers queue behind everyone already parked; each is tried once on arrival
+            # unless an equal-or-wider label set already came up empty in this pass.
+            if waiter.state is not WaiterState.WAITING:
+                continue
+            self._waiters.append(waiter)
+            if not _covered(waiter.session.labels, exhausted) and not await self._try(waiter):
+                exhausted.append(waiter.session.labels)
+        self._waiters = [w for w in self._waiters if w.state is WaiterState.WAITING]
+
+    async def _try(self, waiter: Waiter) -> bool:
+        """Claim for one waiter. True when a job was found (delivered or put back)."""
+        if waiter.state is not WaiterState.WAITING:
+            return True
+        # Shielded: a claim that committed must reach its waiter or be put back, even when the
+        # daemon is shutting down. Statement timeouts bound how long this can take.
+        with anyio.CancelScope(shield=True):
+            try:
+                job = await self._store.claim(waiter.session)
+            except ControlPlaneError as error:
+                waiter.fail(error)
+                return True
+            except Exception as error:  # a database fault must not kill the actor
+                log.warning("dispatch.claim_failed", extra={"error": repr(error)})
+                waiter.fail(Unavailable("claim failed; retry"))
+                return True
+            if job is None:
+                return False
+            if not waiter.deliver(job):
+                await self._put_back(job, waiter)
+        return True
+
+    async def _put_back(self, job: ClaimedJob, waiter: Waiter) -> None:
+        execution = job.identity.job_execution_id
+        try:
+            await self._store.put_back(execution, waiter.session.runner_session_id)
+        except Exception as error:
+            # The lease has no heartbeat, so the reaper's grace returns it; we only lose time.
+            log.warning(
+                "dispatch.put_back_failed",
+                extra={"job_execution_id": str(execution), "error": repr(error)},
+            )
+
+
+class Dispatcher:
+    """Routes waiters and wake-ups to workspace actors, starting them on demand."""
+
+    def __init__(
+        self,
+        store: ClaimStore,
+        *,
+        tick_seconds: float,
+        max_waiters_per_workspace: int = 20_000,
+        idle_seconds: float = 60.0,
+    ) -> None:
+        self._store = store
+        self._tick = tick_seconds
+        self._max_waiters = max_waiters_per_workspace
+        self._idle = idle_seconds
+        self._actors: dict[UUID, WorkspaceActor] = {}
+        self._group: TaskGroup | None = None
+        self._closed = False
+
+    @property
+    def parked(self) -> int:
+        return sum(actor.parked for actor in self._actors.values())
+
+    @property
+    def actors(self) -> int:
+        return len(self._actors)
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with anyio.create_task_group() as group:
+            self._group = group
+            task_status.started()
+            await anyio.sleep_forever()
+
+    def park(self, waiter: Waiter) -> None:
+        if self._closed or self._group is None:
+            waiter.fail(ShuttingDown("the server is shutting down"))
+            return
+        actor = self._actors.get(waiter.session.workspace_id)
+        if actor is None:
+            actor = WorkspaceActor(waiter.session.workspace_id, self._store, self._tick)
+            self._actors[actor.workspace_id] = actor
+            self._group.start_soon(self._supervise, actor)
+        if actor.parked >= self._max_waiters:
+            waiter.fail(Unavailable("too many runners waiting in this workspace"))
+            return
+        actor.park(waiter)
+
+    def wake(self, workspace_id: UUID, labels: LabelSet | None) -> None:
+        actor = self._actors.get(workspace_id)
+        if actor is not None:
+            actor.wake(labels)
+
+    def wake_all(self) -> None:
+        for actor in self._actors.values():
+            actor.wake(None)
+
+    def close(self) -> None:
+        """Refuse new waiters and answer every parked one (shutdown)."""
+        self._closed = True
+        for actor in self._actors.values():
+            actor.drain(ShuttingDown("the server is shutting down"))
+
+    async def _supervise(self, actor: WorkspaceActor) -> None:
+        """Run the actor, restarting it after a crash; retire it when it returns idle."""
+        while True:
+            try:
+                await actor.run(self._idle)
+            except Exception:
+                log.exception("dispatch.actor_crashed")
+                await anyio.sleep(0.1)
+                continue
+            # run() returned with nobody parked, and no await separates that check from this
+            # removal, so a waiter cannot be parked with a retired actor.
+            del self._actors[actor.workspace_id]
+            return

@@ -1,0 +1,138 @@
+"""Maintenance: the lease reaper and session garbage collection, led by one replica.
+
+Every maintenance statement is safe when every replica runs it at once (the reaper try-locks each
+execution, GC skips locked rows), so leadership only avoids waste. The leader holds a session
+advisory lock (`locks.LEADER_KEY`) on a dedicated connection that never returns to a pool, because
+asyncpg resets pooled connections with pg_advisory_unlock_all(). If that connection is lost, so is
+the lock: we step down at once and try again on the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+
+import anyio
+import asyncpg
+
+from controlplane.domain.jobs import EndedLease, StaleRule
+from controlplane.store import leases, locks, sessions
+from controlplane.store.pool import PoolSettings, connect
+
+log = logging.getLogger("controlplane.maintenance")
+
+
+class Leadership:
+    def __init__(self, settings: PoolSettings) -> None:
+        self._settings = settings
+        self._conn: asyncpg.Connection | None = None
+
+    @property
+    def leading(self) -> bool:
+        return self._conn is not None and not self._conn.is_closed()
+
+    async def try_lead(self) -> bool:
+        if self.leading:
+            try:
+                with anyio.fail_after(5):
+                    await self._conn.execute("SELECT 1")  # type: ignore[union-attr]
+                return True
+            except Exception:
+                self.step_down()
+        try:
+            with anyio.fail_after(5):
+                conn = await connect(self._settings)
+                got = await conn.fetchval("SELECT pg_try_advisory_lock($1)", locks.LEADER_KEY)
+        except Exception as error:
+            log.warning("maintenance.lead_failed", extra={"error": repr(error)})
+            return False
+        if got:
+            self._conn = conn
+            log.info("maintenance.leading")
+            return True
+        conn.terminate()
+        return False
+
+    def step_down(self) -> None:
+        if self._conn is not None:
+            self._conn.terminate()  # ends the session, which releases the lock
+            self._conn = None
+
+
+async def _every(seconds: float, leader: Leadership, work: Callable[[], Awaitable[None]]) -> None:
+    while True:
+        if await leader.try_lead():
+            try:
+                await work()
+            except Exception as error:
+                log.warning("maintenance.round_failed", extra={"error": repr(error)})
+        await anyio.sleep(seconds)
+
+
+class Maintenance:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        leader: Leadership,
+        *,
+        rule: StaleRule,
+        reaper_interval: float,
+        reaper_limit: int,
+        gc_interval: float,
+        gc_limit: int,
+        manual_retention: timedelta,
+        capped_retention: timedelta,
+        on_expired: Callable[[list[EndedLease]], None] = lambda _leases: None,
+    ) -> None:
+        self._pool = pool
+        self._leader = leader
+        self._rule = rule
+        self._reaper_interval = reaper_interval
+        self._reaper_limit = reaper_limit
+        self._gc_interval = gc_interval
+        self._gc_limit = gc_limit
+        self._manual_retention = manual_retention
+        self._capped_retention = capped_retention
+        self._on_expired = on_expired
+        self.expired_total = 0
+
+    async def reap_once(self) -> int:
+        """Expire stale leases until a round finds fewer than the limit; return how many."""
+        total = 0
+        while True:
+            async with self._pool.acquire() as conn:
+                expired = await leases.reap(conn, self._rule, limit=self._reaper_limit)
+            if expired:
+                log.info("maintenance.leases_expired", extra={"count": len(expired)})
+                self._on_expired(expired)
+            total += len(expired)
+            if len(expired) < self._reaper_limit:
+                self.expired_total += total
+                return total
+
+    async def collect_sessions_once(self) -> int:
+        async with self._pool.acquire() as conn:
+            deleted = await sessions.collect_garbage(
+                conn,
+                manual_retention=self._manual_retention,
+                capped_retention=self._capped_retention,
+                limit=self._gc_limit,
+            )
+        if deleted:
+            log.info("maintenance.sessions_deleted", extra={"count": deleted})
+        return deleted
+
+    async def _reap(self) -> None:
+        await self.reap_once()
+
+    async def _collect(self) -> None:
+        await self.collect_sessions_once()
+
+    async def run(self) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(_every, self._reaper_interval, self._leader, self._reap)
+                group.start_soon(_every, self._gc_interval, self._leader, self._collect)
+        finally:
+            self._leader.step_down()

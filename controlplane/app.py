@@ -1,0 +1,230 @@
+"""The daemon: database, migrations, and one root task group that owns everything that runs.
+
+Start-up: the embedded PostgreSQL when no URL is configured, then migrations (serialised across
+replicas by an advisory lock), the pool, the signing keys, then the root task group: the
+LISTEN connection, the dispatcher (which supervises workspace actors), maintenance, and uvicorn.
+
+Shutdown on SIGTERM or SIGINT: new job requests are refused and every parked one is answered with
+204 and Retry-After; held heartbeats and event polls are released; uvicorn then stops accepting
+and gives in-flight requests `server.shutdown_grace_seconds`. A claim in flight when the signal
+arrives is shielded, and either reaches its runner or is put back, so nothing is left claimed and
+undelivered. The embedded server, if we started it, is stopped last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from uuid import UUID
+
+import anyio
+import asyncpg
+import uvicorn
+
+from controlplane import metrics
+from controlplane.actors.cancels import CancelBoard
+from controlplane.actors.dispatch import Dispatcher
+from controlplane.actors.listener import Listener
+from controlplane.actors.maintenance import Leadership, Maintenance
+from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
+from controlplane.domain.labels import canonicalise
+from controlplane.settings import Settings
+from controlplane.store import migrations, queue
+from controlplane.store.embedded import EmbeddedPostgres
+from controlplane.store.events import EVENTS_CHANNEL
+from controlplane.store.leases import CANCEL_CHANNEL
+from controlplane.store.pool import PoolSettings, connect, create_pool
+from controlplane.web import app as web_app
+from controlplane.web.services import KeyRing, Services
+
+log = logging.getLogger("controlplane.app")
+
+
+class PoolClaims:
+    """The dispatcher's view of the store: claim and put back, each on a pooled connection."""
+
+    def __init__(self, pool: asyncpg.Pool, throttle: timedelta) -> None:
+        self._pool = pool
+        self._throttle = throttle
+
+    async def claim(self, session: SessionClaims) -> ClaimedJob | None:
+        async with self._pool.acquire() as conn:
+            return await queue.claim(conn, session, liveness_throttle=self._throttle)
+
+    async def put_back(self, job_execution_id: UUID, runner_session_id: UUID) -> bool:
+        async with self._pool.acquire() as conn:
+            done = await queue.put_back(conn, job_execution_id, runner_session_id)
+        metrics.put_backs.inc()
+        return done
+
+
+def pool_settings(settings: Settings, url: str) -> PoolSettings:
+    db = settings.database
+    return PoolSettings(
+        url=url,
+        min_size=db.pool_min_size,
+        max_size=db.pool_max_size,
+        statement_timeout_ms=db.statement_timeout_ms,
+        lock_timeout_ms=db.lock_timeout_ms,
+    )
+
+
+@contextlib.asynccontextmanager
+async def database(settings: Settings) -> AsyncIterator[str]:
+    """The configured database URL, or an embedded server started (and later stopped) for us."""
+    if settings.database.url:
+        yield settings.database.url
+        return
+    server = EmbeddedPostgres(Path(settings.database.embedded_data_dir))
+    url = await anyio.to_thread.run_sync(server.start)
+    log.info("embedded_postgres.started", extra={"data_dir": str(server.data_dir), "url": url})
+    try:
+        yield url
+    finally:
+        if server.owned:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(server.stop)
+            log.info("embedded_postgres.stopped")
+
+
+async def migrate(url: str, settings: Settings) -> list[migrations.Migration]:
+    conn = await connect(pool_settings(settings, url))
+    try:
+        return await migrations.migrate(conn)
+    finally:
+        await conn.close()
+
+
+def _on_enqueued(dispatcher: Dispatcher) -> Callable[[str], None]:
+    def wake(payload: str) -> None:
+        workspace, _, labels = payload.partition("|")
+        try:
+            workspace_id = UUID(workspace)
+        except ValueError:
+            return
+        dispatcher.wake(workspace_id, canonicalise(labels.split(",")) if labels else None)
+
+    return wake
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the daemon decides how to shut down."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(settings: Settings, *, on_ready: Callable[[str], None] | None = None) -> None:
+    async with database(settings) as url:
+        applied = await migrate(url, settings)
+        if applied:
+            log.info("migrations.applied", extra={"count": len(applied)})
+        connection = pool_settings(settings, url)
+        pool = await create_pool(connection)
+        try:
+            await _run(settings, connection, pool, on_ready)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await pool.close()
+
+
+async def _run(
+    settings: Settings,
+    connection: PoolSettings,
+    pool: asyncpg.Pool,
+    on_ready: Callable[[str], None] | None,
+) -> None:
+    runners = settings.runners
+    throttle = timedelta(seconds=runners.liveness_throttle_seconds)
+    dispatcher = Dispatcher(
+        PoolClaims(pool, throttle), tick_seconds=settings.maintenance.dispatch_safety_tick_seconds
+    )
+    cancels = CancelBoard()
+    keys = KeyRing(pool)
+    await keys.load()
+    services = Services(
+        settings=settings,
+        pool=pool,
+        dispatcher=dispatcher,
+        cancels=cancels,
+        keys=keys,
+        reserved_labels=settings.reserved_labels,
+    )
+
+    def reconnected() -> None:
+        dispatcher.wake_all()
+        cancels.wake_all()
+        services.signal_events()
+
+    listener = Listener(
+        connection,
+        {
+            queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher),
+            CANCEL_CHANNEL: cancels.notify,
+            EVENTS_CHANNEL: lambda _payload: services.signal_events(),
+        },
+        reconnected,
+    )
+    services.listener = listener
+    maintenance = Maintenance(
+        pool,
+        Leadership(connection),
+        rule=StaleRule(
+            threshold=timedelta(seconds=runners.stale_lease_threshold_seconds),
+            grace=timedelta(seconds=runners.no_first_heartbeat_grace_seconds),
+        ),
+        reaper_interval=settings.maintenance.reaper_interval_seconds,
+        reaper_limit=settings.maintenance.reaper_batch_limit,
+        gc_interval=settings.maintenance.session_gc_interval_seconds,
+        gc_limit=settings.maintenance.session_gc_batch_size,
+        manual_retention=timedelta(days=runners.manual_session_retention_days),
+        capped_retention=timedelta(days=runners.capped_session_retention_days),
+    )
+    server = _Server(
+        uvicorn.Config(
+            web_app.build(services),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(settings.server.shutdown_grace_seconds),
+        )
+    )
+    sock = _bind(settings.server.host, settings.server.port)
+    host, port = sock.getsockname()[:2]
+    address = f"http://{host}:{port}"
+
+    async def stop_on_signal() -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("shutdown.requested", extra={"signal": signum})
+                dispatcher.close()
+                services.close()
+                server.should_exit = True
+                return
+
+    async with anyio.create_task_group() as root:
+        root.start_soon(stop_on_signal)
+        await root.start(listener.run)
+        await root.start(dispatcher.run)
+        root.start_soon(maintenance.run)
+        log.info("server.listening", extra={"address": address})
+        if on_ready is not None:
+            on_ready(address)
+        await server.serve(sockets=[sock])
+        root.cancel_scope.cancel()
+    log.info("server.stopped")

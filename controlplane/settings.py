@@ -1,0 +1,156 @@
+"""Settings: config/controlplane.toml (every knob, with its default) plus environment overrides.
+
+Precedence, lowest first: the defaults below, a TOML file (`--config`, or CONTROLPLANE_CONFIG), then
+environment variables named CONTROLPLANE_<SECTION>_<KNOB> (e.g. CONTROLPLANE_SERVER_PORT=9000).
+DATABASE_URL is honoured as CONTROLPLANE_DATABASE_URL. Every value is validated once, at start-up;
+an invalid one stops the daemon with a message naming the knob.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from controlplane.domain.labels import LabelSet, parse_reserved
+from controlplane.errors import ConfigError, InvalidInput
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=86_400 * 365)]
+
+
+class Database(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    url: str = ""  # empty: start the embedded PostgreSQL in `embedded_data_dir`
+    embedded_data_dir: str = "var/postgres"
+    pool_min_size: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
+    pool_max_size: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
+    statement_timeout_ms: Annotated[int, msgspec.Meta(ge=100, le=600_000)] = 10_000
+    lock_timeout_ms: Annotated[int, msgspec.Meta(ge=100, le=600_000)] = 5_000
+
+
+class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65_535)] = 8080
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
+    shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0, le=600)] = 10.0
+
+
+class Queue(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_payload_bytes: Annotated[int, msgspec.Meta(ge=2, le=16 * 1024 * 1024)] = 64 * 1024
+    max_batch_size: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 500
+
+
+class Runners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    long_poll_max_seconds: Annotated[float, msgspec.Meta(ge=1, le=300)] = 50.0
+    liveness_throttle_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 10
+    stale_lease_threshold_seconds: Annotated[int, msgspec.Meta(ge=2, le=86_400)] = 180
+    no_first_heartbeat_grace_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 60
+    heartbeat_interval_seconds: Annotated[float, msgspec.Meta(ge=1, le=3600)] = 10.0
+    cancel_wait_max_seconds: Annotated[float, msgspec.Meta(ge=1, le=300)] = 30.0
+    reserved_labels: str = ""
+    session_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=60, le=90 * 86_400)] = 7 * 86_400
+    lease_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=30, le=86_400)] = 900
+    manual_session_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 30
+    capped_session_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 7
+
+
+class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    reaper_interval_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] = 5.0
+    reaper_batch_limit: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 100
+    session_gc_interval_seconds: Annotated[float, msgspec.Meta(ge=1, le=86_400)] = 300.0
+    session_gc_batch_size: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 1000
+    dispatch_safety_tick_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=600)] = 5.0
+
+
+class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    database: Database = msgspec.field(default_factory=Database)
+    server: Server = msgspec.field(default_factory=Server)
+    queue: Queue = msgspec.field(default_factory=Queue)
+    runners: Runners = msgspec.field(default_factory=Runners)
+    maintenance: Maintenance = msgspec.field(default_factory=Maintenance)
+
+    @property
+    def reserved_labels(self) -> LabelSet:
+        return parse_reserved(self.runners.reserved_labels)
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    overrides: dict[str, dict[str, str]] = {}
+    known = {field.name: field.type for field in msgspec.structs.fields(Settings)}
+    if "DATABASE_URL" in environ:
+        overrides.setdefault("database", {})["url"] = environ["DATABASE_URL"]
+    for name, value in environ.items():
+        if not name.startswith("CONTROLPLANE_") or name == "CONTROLPLANE_CONFIG":
+            continue
+        rest = name.removeprefix("CONTROLPLANE_").lower()
+        section, _, knob = rest.partition("_")
+        if section not in known or not knob:
+            raise ConfigError(f"unknown setting in environment: {name}")
+        knobs = {field.name for field in msgspec.structs.fields(known[section])}
+        if knob not in knobs:
+            raise ConfigError(f"unknown setting in environment: {name}")
+        overrides.setdefault(section, {})[knob] = value
+    return overrides
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, dict[str, str]]) -> dict[str, Any]:
+    merged = {section: dict(values) for section, values in base.items()}
+    for section, values in overrides.items():
+        merged.setdefault(section, {}).update(values)
+    return merged
+
+
+def _check(settings: Settings) -> Settings:
+    runners = settings.runners
+    if runners.no_first_heartbeat_grace_seconds >= runners.stale_lease_threshold_seconds:
+        raise ConfigError(
+            "runners.no_first_heartbeat_grace_seconds must be below "
+            "runners.stale_lease_threshold_seconds"
+        )
+    if runners.heartbeat_interval_seconds * 2 > runners.stale_lease_threshold_seconds:
+        raise ConfigError(
+            "runners.heartbeat_interval_seconds must be at most half of "
+            "runners.stale_lease_threshold_seconds, or live leases would expire"
+        )
+    if settings.database.pool_min_size > settings.database.pool_max_size:
+        raise ConfigError("database.pool_min_size must not exceed database.pool_max_size")
+    try:
+        parse_reserved(runners.reserved_labels)
+    except InvalidInput as error:
+        raise ConfigError(f"runners.reserved_labels: {error.message}") from error
+    return settings
+
+
+def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read, merge and validate settings. Raises ConfigError naming the offending knob."""
+    environ = os.environ if environ is None else environ
+    if path is None and environ.get("CONTROLPLANE_CONFIG"):
+        path = Path(environ["CONTROLPLANE_CONFIG"])
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError as error:
+            raise ConfigError(f"config file not found: {path}") from error
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"config file {path} is not valid TOML: {error}") from error
+    merged = _merge(raw, _env_overrides(environ))
+    try:
+        # Environment values arrive as text; strict=False parses them as the knob's type.
+        settings = msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as error:
+        raise ConfigError(f"invalid setting: {_knob_message(error)}") from error
+    return _check(settings)
+
+
+def _knob_message(error: msgspec.ValidationError) -> str:
+    # msgspec says "... - at `$.runners.long_poll_max_seconds`"; lead with the knob's name.
+    text = str(error)
+    message, _, where = text.rpartition(" - at `$.")
+    if not where:
+        return text
+    return f"{where.rstrip('`')}: {message}"

@@ -1,0 +1,214 @@
+"""Credentials: signing keys, API keys (orchestrator, admin) and manual registration tokens.
+
+No statement here takes an explicit lock; each is a single-row insert, update or lookup by a
+unique key. Raw tokens never reach this module except to be hashed by domain.tokens first.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from uuid import UUID
+
+import asyncpg
+
+from controlplane.domain import tokens
+from controlplane.errors import NotFound
+from controlplane.store.pool import Conn
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """An API key or a manual registration token, as stored (never the raw value)."""
+
+    id: UUID
+    kind: str  # 'orchestrator', 'admin' or 'manual-registration'
+    name: str
+    workspace_id: UUID | None
+    display_prefix: str
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+    def usable(self, now: datetime) -> bool:
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
+
+
+def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
+    return Credential(
+        id=row["id"],
+        kind=kind or row["kind"],
+        name=row["name"],
+        workspace_id=row["workspace_id"],
+        display_prefix=row["display_prefix"],
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+        revoked_at=row["revoked_at"],
+    )
+
+
+_API_KINDS = {"orchestrator": tokens.Kind.ORCHESTRATOR_KEY, "admin": tokens.Kind.ADMIN_KEY}
+_COLUMNS = "id, name, workspace_id, display_prefix, created_at, expires_at, revoked_at"
+
+
+# Signing keys ---------------------------------------------------------------------------------
+
+
+async def signing_keys(conn: Conn) -> dict[str, tokens.SigningKey]:
+    rows = await conn.fetch("SELECT kid, secret FROM signing_keys WHERE retired_at IS NULL")
+    return {row["kid"]: tokens.SigningKey(row["kid"], bytes(row["secret"])) for row in rows}
+
+
+async def current_signing_key(conn: Conn) -> tokens.SigningKey:
+    """The newest active key, creating the first one if there is none."""
+    row = await conn.fetchrow(
+        """
+        SELECT kid, secret FROM signing_keys WHERE retired_at IS NULL
+        ORDER BY created_at DESC, kid LIMIT 1
+        """
+    )
+    if row is None:
+        return await rotate_signing_key(conn)
+    return tokens.SigningKey(row["kid"], bytes(row["secret"]))
+
+
+async def rotate_signing_key(conn: Conn) -> tokens.SigningKey:
+    """Add a new key; it signs from now on. Older keys still verify until retired."""
+    key = tokens.SigningKey(secrets.token_hex(8), secrets.token_bytes(32))
+    await conn.execute(
+        "INSERT INTO signing_keys (kid, secret) VALUES ($1, $2)", key.kid, key.secret
+    )
+    return key
+
+
+# API keys -------------------------------------------------------------------------------------
+
+
+async def create_api_key(
+    conn: Conn,
+    *,
+    kind: str,
+    name: str,
+    workspace_id: UUID | None = None,
+    ttl: timedelta | None = None,
+) -> tuple[Credential, str]:
+    token = tokens.new_opaque(_API_KINDS[kind])
+    row = await conn.fetchrow(
+        f"""
+        INSERT INTO api_keys (kind, name, workspace_id, token_sha256, display_prefix, expires_at)
+        VALUES ($1, $2, $3, $4, $5, now() + $6::interval)
+        RETURNING kind, {_COLUMNS}
+        """,
+        kind,
+        name,
+        workspace_id,
+        token.sha256,
+        token.display_prefix,
+        ttl,
+    )
+    assert row is not None
+    return _credential(row), token.raw
+
+
+async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | None:
+    row = await conn.fetchrow(
+        f"""
+        SELECT kind, token_sha256, {_COLUMNS} FROM api_keys
+        WHERE token_sha256 = $1 AND kind = $2
+        """,
+        sha256,
+        kind,
+    )
+    if row is None or not tokens.same_digest(row["token_sha256"], sha256):
+        return None
+    return _credential(row)
+
+
+async def list_api_keys(conn: Conn, kind: str | None = None) -> list[Credential]:
+    rows = await conn.fetch(
+        f"""
+        SELECT kind, {_COLUMNS} FROM api_keys WHERE ($1::text IS NULL OR kind = $1)
+        ORDER BY created_at DESC, id DESC
+        """,
+        kind,
+    )
+    return [_credential(row) for row in rows]
+
+
+async def revoke_api_key(conn: Conn, key_id: UUID) -> Credential:
+    """Idempotent: revoking twice keeps the first revocation time."""
+    row = await conn.fetchrow(
+        f"""
+        UPDATE api_keys SET revoked_at = COALESCE(revoked_at, now()) WHERE id = $1
+        RETURNING kind, {_COLUMNS}
+        """,
+        key_id,
+    )
+    if row is None:
+        raise NotFound("no such API key", id=str(key_id))
+    return _credential(row)
+
+
+# Manual registration tokens ---------------------------------------------------------------------
+
+
+async def create_manual_token(
+    conn: Conn, *, workspace_id: UUID, name: str, ttl: timedelta | None = None
+) -> tuple[Credential, str]:
+    token = tokens.new_opaque(tokens.Kind.MANUAL_REGISTRATION)
+    row = await conn.fetchrow(
+        f"""
+        INSERT INTO manual_registration_tokens
+            (workspace_id, name, token_sha256, display_prefix, expires_at)
+        VALUES ($1, $2, $3, $4, now() + $5::interval)
+        RETURNING {_COLUMNS}
+        """,
+        workspace_id,
+        name,
+        token.sha256,
+        token.display_prefix,
+        ttl,
+    )
+    assert row is not None
+    return _credential(row, "manual-registration"), token.raw
+
+
+async def manual_token_by_digest(conn: Conn, sha256: str) -> Credential | None:
+    row = await conn.fetchrow(
+        f"SELECT token_sha256, {_COLUMNS} FROM manual_registration_tokens WHERE token_sha256 = $1",
+        sha256,
+    )
+    if row is None or not tokens.same_digest(row["token_sha256"], sha256):
+        return None
+    return _credential(row, "manual-registration")
+
+
+async def list_manual_tokens(conn: Conn, workspace_id: UUID | None = None) -> list[Credential]:
+    rows = await conn.fetch(
+        f"""
+        SELECT {_COLUMNS} FROM manual_registration_tokens
+        WHERE ($1::uuid IS NULL OR workspace_id = $1)
+        ORDER BY created_at DESC, id DESC
+        """,
+        workspace_id,
+    )
+    return [_credential(row, "manual-registration") for row in rows]
+
+
+async def revoke_manual_token(
+    conn: Conn, token_id: UUID, workspace_id: UUID | None = None
+) -> Credential:
+    """Idempotent. With `workspace_id`, a token of another workspace is not found."""
+    row = await conn.fetchrow(
+        f"""
+        UPDATE manual_registration_tokens SET revoked_at = COALESCE(revoked_at, now())
+        WHERE id = $1 AND ($2::uuid IS NULL OR workspace_id = $2)
+        RETURNING {_COLUMNS}
+        """,
+        token_id,
+        workspace_id,
+    )
+    if row is None:
+        raise NotFound("no such registration token", id=str(token_id))
+    return _credential(row, "manual-registration")

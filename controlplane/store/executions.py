@@ -1,0 +1,78 @@
+"""Point reads about one job execution, for the orchestrator's state route and held heartbeats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from uuid import UUID
+
+from controlplane.store.pool import Conn
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionState:
+    job_execution_id: UUID
+    state: str  # 'pending', 'running' or 'ended'
+    workspace_id: UUID | None
+    outcome: str | None = None
+    ended_by: str | None = None
+    runner_session_id: UUID | None = None
+    cancel_requested: bool = False
+
+
+async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
+    """Where the execution is now; a lease still draining after a cancel reports 'ended'."""
+    row = await conn.fetchrow(
+        """
+        SELECT e.workspace_id AS ended_ws, e.outcome, e.ended_by,
+               r.workspace_id AS running_ws, r.runner_session_id,
+               r.cancellation_requested_at IS NOT NULL AS cancel_requested,
+               p.workspace_id AS pending_ws
+        FROM (SELECT $1::uuid AS id) AS x
+        LEFT JOIN ended_executions e ON e.job_execution_id = x.id
+        LEFT JOIN running_jobs r ON r.job_execution_id = x.id
+        LEFT JOIN pending_jobs p ON p.job_execution_id = x.id
+        """,
+        job_execution_id,
+    )
+    assert row is not None
+    if row["outcome"] is not None:
+        return ExecutionState(
+            job_execution_id,
+            "ended",
+            row["ended_ws"] or row["running_ws"],
+            outcome=row["outcome"],
+            ended_by=row["ended_by"],
+            runner_session_id=row["runner_session_id"],
+            cancel_requested=bool(row["cancel_requested"]),
+        )
+    if row["running_ws"] is not None:
+        return ExecutionState(
+            job_execution_id,
+            "running",
+            row["running_ws"],
+            runner_session_id=row["runner_session_id"],
+            cancel_requested=bool(row["cancel_requested"]),
+        )
+    if row["pending_ws"] is not None:
+        return ExecutionState(job_execution_id, "pending", row["pending_ws"])
+    return None
+
+
+async def cancel_requested(conn: Conn, job_execution_id: UUID, runner_session_id: UUID) -> bool:
+    """True when the lease is asked to stop, or is gone (the runner must stop either way)."""
+    found = await conn.fetchval(
+        """
+        SELECT cancellation_requested_at IS NOT NULL FROM running_jobs
+        WHERE job_execution_id = $1 AND runner_session_id = $2
+        """,
+        job_execution_id,
+        runner_session_id,
+    )
+    return found is None or bool(found)
+
+
+async def workspaces_with_jobs(conn: Conn) -> list[UUID]:
+    rows = await conn.fetch(
+        "SELECT workspace_id FROM pending_jobs UNION SELECT workspace_id FROM running_jobs"
+    )
+    return [row["workspace_id"] for row in rows]

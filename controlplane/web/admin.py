@@ -1,0 +1,137 @@
+"""Admin routes (admin API key): API keys, manual registration tokens, the queue."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from uuid import UUID
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from controlplane.errors import InvalidInput
+from controlplane.store import credentials, executions, queries
+from controlplane.store.credentials import Credential
+from controlplane.web import auth
+from controlplane.web.edge import json_response, read_json
+from controlplane.wire import admin as wire
+
+
+def _out(credential: Credential) -> wire.CredentialOut:
+    return wire.CredentialOut(
+        id=credential.id,
+        kind=credential.kind,
+        name=credential.name,
+        workspace_id=credential.workspace_id,
+        display_prefix=credential.display_prefix,
+        created_at=credential.created_at,
+        expires_at=credential.expires_at,
+        revoked_at=credential.revoked_at,
+    )
+
+
+def _uuid(value: str, field: str) -> UUID:
+    try:
+        return UUID(value)
+    except ValueError as error:
+        raise InvalidInput(f"{field} must be a UUID", field=field) from error
+
+
+def _ttl(seconds: int | None) -> timedelta | None:
+    return None if seconds is None else timedelta(seconds=seconds)
+
+
+async def create_api_key(request: Request) -> Response:
+    svc = auth.services(request)
+    await auth.api_key(request, "admin")
+    body = await read_json(request, wire.CreateApiKey, svc.settings.server.max_body_bytes)
+    if body.kind == "admin" and body.workspace_id is not None:
+        raise InvalidInput("admin keys are installation-wide: omit workspace_id")
+    async with svc.pool.acquire() as conn:
+        created, raw = await credentials.create_api_key(
+            conn,
+            kind=body.kind,
+            name=body.name,
+            workspace_id=body.workspace_id,
+            ttl=_ttl(body.ttl_seconds),
+        )
+    return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
+
+
+async def list_api_keys(request: Request) -> Response:
+    svc = auth.services(request)
+    await auth.api_key(request, "admin")
+    async with svc.pool.acquire() as conn:
+        found = await credentials.list_api_keys(conn)
+    return json_response(wire.CredentialList(items=[_out(item) for item in found]))
+
+
+async def revoke_api_key(request: Request) -> Response:
+    svc = auth.services(request)
+    await auth.api_key(request, "admin")
+    key_id = _uuid(request.path_params["id"], "id")
+    async with svc.pool.acquire() as conn:
+        revoked = await credentials.revoke_api_key(conn, key_id)
+    return json_response(_out(revoked))
+
+
+async def create_registration_token(request: Request) -> Response:
+    svc = auth.services(request)
+    await auth.api_key(request, "admin")
+    body = await read_json(
+        request, wire.CreateRegistrationToken, svc.settings.server.max_body_bytes
+    )
+    async with svc.pool.acquire() as conn:
+        created, raw = await credentials.create_manual_token(
+            conn, workspace_id=body.workspace_id, name=body.name, ttl=_ttl(body.ttl_seconds)
+        )
+    return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
+
+
+async def list_registration_tokens(request: Request) -> Response:
+    svc = auth.services(request)
+    await auth.api_key(request, "admin")
+    raw = request.query_params.get("workspace_id")
+    workspace = None if raw is None else _uuid(raw, "workspace_id")
+    async with svc.pool.acquire() as conn:
+        found = await credentials.list_manual_tokens(conn, workspace)
+    return json_response(wire.CredentialList(items=[_out(item) for item in found]))
+
+
+async def revoke_registration_token(request: Request) -> Response:
+    svc = auth.services(request)
+    await auth.api_key(request, "admin")
+    token_id = _uuid(request.path_params["id"], "id")
+    async with svc.pool.acquire() as conn:
+        revoked = await credentials.revoke_manual_token(conn, token_id)
+    return json_response(_out(revoked))
+
+
+async def queue_overview(request: Request) -> Response:
+    svc = auth.services(request)
+    await auth.api_key(request, "admin")
+    async with svc.pool.acquire() as conn:
+        depth = await queries.depth(conn)
+        workspaces = await executions.workspaces_with_jobs(conn)
+        counts = await queries.workspace_counts(conn, workspaces)
+    return json_response(
+        wire.QueueOut(
+            pending=depth.pending,
+            running=depth.running,
+            workspaces=[
+                wire.WorkspaceQueue(workspace_id=c.workspace_id, queued=c.queued, running=c.running)
+                for c in counts
+            ],
+        )
+    )
+
+
+routes = [
+    Route("/v1/admin/api-keys", create_api_key, methods=["POST"]),
+    Route("/v1/admin/api-keys", list_api_keys, methods=["GET"]),
+    Route("/v1/admin/api-keys/{id}/revoke", revoke_api_key, methods=["POST"]),
+    Route("/v1/admin/registration-tokens", create_registration_token, methods=["POST"]),
+    Route("/v1/admin/registration-tokens", list_registration_tokens, methods=["GET"]),
+    Route("/v1/admin/registration-tokens/{id}/revoke", revoke_registration_token, methods=["POST"]),
+    Route("/v1/admin/queue", queue_overview, methods=["GET"]),
+]

@@ -1,0 +1,22 @@
+"""The Starlette application: routes and the one error mapping. Nothing else lives here."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+
+from controlplane.errors import ControlPlaneError
+from controlplane.web import admin, health, orchestrator, runners
+from controlplane.web.errors import handle_control_plane_error, handle_unexpected
+from controlplane.web.services import Services
+
+
+def build(services: Services) -> Starlette:
+    app = Starlette(
+        routes=[*health.routes, *runners.routes, *orchestrator.routes, *admin.routes],
+        exception_handlers={
+            ControlPlaneError: handle_control_plane_error,
+            Exception: handle_unexpected,
+        },
+    )
+    app.state.services = services
+    return app

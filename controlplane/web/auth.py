@@ -1,0 +1,140 @@
+"""Authentication at the edge. A token's kind prefix is checked before any lookup, so a
+credential of one kind never reaches another kind's table; workspace scope is checked after."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from uuid import UUID
+
+from starlette.requests import Request
+
+from controlplane.domain import tokens
+from controlplane.domain.jobs import JobIdentity, SessionClaims
+from controlplane.errors import Forbidden, Unauthorized
+from controlplane.store import credentials
+from controlplane.store.credentials import Credential
+from controlplane.web.edge import bearer
+from controlplane.web.services import Services
+
+_API_KINDS = {"orchestrator": tokens.Kind.ORCHESTRATOR_KEY, "admin": tokens.Kind.ADMIN_KEY}
+
+
+def services(request: Request) -> Services:
+    found: Services = request.app.state.services
+    return found
+
+
+async def api_key(request: Request, kind: str) -> Credential:
+    svc = services(request)
+    token = bearer(request)
+    try:
+        digest = tokens.parse_opaque(token, _API_KINDS[kind])
+    except tokens.TokenError as error:
+        raise Unauthorized() from error
+    async with svc.pool.acquire() as conn:
+        found = await credentials.api_key_by_digest(conn, kind, digest)
+    now = svc.clock()
+    if found is None:
+        raise Unauthorized()
+    if found.revoked_at is not None:
+        raise Unauthorized("the API key was revoked", code="api-key-revoked")
+    if found.expires_at is not None and found.expires_at <= now:
+        raise Unauthorized("the API key expired", code="api-key-expired")
+    return found
+
+
+def require_workspace(credential: Credential, workspace_id: UUID) -> None:
+    if credential.workspace_id is not None and credential.workspace_id != workspace_id:
+        raise Forbidden("this key is scoped to another workspace", workspace_id=str(workspace_id))
+
+
+async def manual_registration(request: Request) -> Credential:
+    svc = services(request)
+    try:
+        digest = tokens.parse_opaque(bearer(request), tokens.Kind.MANUAL_REGISTRATION)
+    except tokens.TokenError as error:
+        raise Unauthorized() from error
+    async with svc.pool.acquire() as conn:
+        found = await credentials.manual_token_by_digest(conn, digest)
+    if found is None:
+        raise Unauthorized()
+    # Expiry is reported before revocation, as the reference does.
+    if found.expires_at is not None and found.expires_at <= svc.clock():
+        raise Unauthorized("the registration token expired", code="registration-token-expired")
+    if found.revoked_at is not None:
+        raise Unauthorized(
+            "the registration token was revoked", code="manual-registration-token-revoked"
+        )
+    return found
+
+
+def mint_session(svc: Services, session: SessionClaims, now: datetime) -> str:
+    ttl = timedelta(seconds=svc.settings.runners.session_token_ttl_seconds)
+    claims = {
+        "sid": str(session.runner_session_id),
+        "ws": str(session.workspace_id),
+        "labels": list(session.labels),
+        "max": session.max_claims,
+    }
+    return tokens.sign(tokens.Kind.RUNNER_SESSION, claims, svc.keys.current, now + ttl)
+
+
+async def runner_session(request: Request) -> SessionClaims:
+    svc = services(request)
+    token = bearer(request)
+    try:
+        claims = tokens.verify(
+            token, tokens.Kind.RUNNER_SESSION, await svc.keys.keys_for(token), svc.clock()
+        )
+        return SessionClaims(
+            runner_session_id=UUID(claims["sid"]),
+            workspace_id=UUID(claims["ws"]),
+            labels=tuple(claims["labels"]),
+            max_claims=claims["max"],
+        )
+    except (tokens.TokenError, KeyError, TypeError, ValueError) as error:
+        raise Unauthorized() from error
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    identity: JobIdentity
+    runner_session_id: UUID
+
+
+def mint_lease(svc: Services, lease: Lease, now: datetime) -> str:
+    ttl = timedelta(seconds=svc.settings.runners.lease_token_ttl_seconds)
+    job = lease.identity
+    claims = {
+        "ex": str(job.job_execution_id),
+        "job": str(job.job_id),
+        "run": str(job.workflow_run_id),
+        "att": str(job.workflow_run_attempt_id),
+        "prj": str(job.project_id),
+        "ws": str(job.workspace_id),
+        "sid": str(lease.runner_session_id),
+    }
+    return tokens.sign(tokens.Kind.JOB_LEASE, claims, svc.keys.current, now + ttl)
+
+
+async def job_lease(request: Request) -> Lease:
+    svc = services(request)
+    token = bearer(request)
+    try:
+        claims = tokens.verify(
+            token, tokens.Kind.JOB_LEASE, await svc.keys.keys_for(token), svc.clock()
+        )
+        return Lease(
+            identity=JobIdentity(
+                workspace_id=UUID(claims["ws"]),
+                workflow_run_id=UUID(claims["run"]),
+                workflow_run_attempt_id=UUID(claims["att"]),
+                job_id=UUID(claims["job"]),
+                job_execution_id=UUID(claims["ex"]),
+                project_id=UUID(claims["prj"]),
+            ),
+            runner_session_id=UUID(claims["sid"]),
+        )
+    except (tokens.TokenError, KeyError, TypeError, ValueError) as error:
+        raise Unauthorized() from error

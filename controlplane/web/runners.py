@@ -1,0 +1,206 @@
+"""Runner routes: register, long-poll for a job, heartbeat (held for cancel), complete."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from uuid import UUID
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from controlplane.actors.dispatch import Waiter, WaiterState
+from controlplane.domain.jobs import ClaimedJob, Outcome, SessionClaims
+from controlplane.domain.labels import canonicalise, strip_reserved
+from controlplane.errors import (
+    InvalidInput,
+    LeaseJobMismatch,
+    RunnerLabelsReserved,
+    ShuttingDown,
+)
+from controlplane.store import executions, leases, queue, sessions
+from controlplane.web import auth
+from controlplane.web.edge import hold, json_response, query_number, read_json
+from controlplane.web.services import Services
+from controlplane.wire.common import Capabilities
+from controlplane.wire.runners import (
+    CompleteRequest,
+    CompleteResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    JobResponse,
+    RegisterRequest,
+    RegisterResponse,
+)
+
+log = logging.getLogger("controlplane.runners")
+
+
+def _check_capabilities(capabilities: Capabilities | None) -> None:
+    if capabilities is not None and (duplicates := capabilities.duplicate_tools()):
+        raise InvalidInput("capabilities list a tool twice", duplicates=duplicates)
+
+
+def _execution_id(request: Request) -> UUID:
+    try:
+        return UUID(request.path_params["job_execution_id"])
+    except ValueError as error:
+        raise InvalidInput("job_execution_id must be a UUID", field="job_execution_id") from error
+
+
+async def register(request: Request) -> Response:
+    svc = auth.services(request)
+    token = await auth.manual_registration(request)
+    body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
+    _check_capabilities(body.capabilities)
+    supplied = canonicalise(body.labels)
+    labels = strip_reserved(supplied, svc.reserved_labels)
+    if not labels:
+        raise RunnerLabelsReserved(
+            "every supplied label is reserved for provisioned runners", labels=list(supplied)
+        )
+    assert token.workspace_id is not None
+    async with svc.pool.acquire() as conn:
+        session = await sessions.create(
+            conn,
+            workspace_id=token.workspace_id,
+            registration_token_id=token.id,
+            kind="manual",
+            labels=labels,
+            capabilities=None if body.capabilities is None else body.capabilities.as_json(),
+        )
+    claims = SessionClaims(session.id, session.workspace_id, labels, None)
+    log.info("runner.registered", extra={"runner_session_id": str(session.id), "mode": "manual"})
+    return json_response(
+        RegisterResponse(
+            session_token=auth.mint_session(svc, claims, svc.clock()),
+            session_id=session.id,
+            mode="manual",
+            max_claims=None,
+            labels=list(labels),
+            heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,
+            long_poll_max_seconds=svc.settings.runners.long_poll_max_seconds,
+        )
+    )
+
+
+def _job_response(svc: Services, session: SessionClaims, job: ClaimedJob) -> Response:
+    lease = auth.Lease(job.identity, session.runner_session_id)
+    return json_response(
+        JobResponse(
+            job_execution_id=job.identity.job_execution_id,
+            job_id=job.identity.job_id,
+            workflow_run_id=job.identity.workflow_run_id,
+            workflow_run_attempt_id=job.identity.workflow_run_attempt_id,
+            required_labels=list(job.required_labels),
+            payload=job.payload,
+            lease_token=auth.mint_lease(svc, lease, svc.clock()),
+            heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,
+        )
+    )
+
+
+def _nothing() -> Response:
+    return Response(status_code=204, headers={"Retry-After": "0"})
+
+
+async def request_job(request: Request) -> Response:
+    """Hold the request until a job is claimed for this runner, or `wait` seconds pass (204)."""
+    svc = auth.services(request)
+    session = await auth.runner_session(request)
+    limit = svc.settings.runners.long_poll_max_seconds
+    wait = query_number(request, "wait", low=0, high=limit, default=limit)
+    if wait == 0:
+        async with svc.pool.acquire() as conn:
+            job = await queue.claim(conn, session, liveness_throttle=svc.liveness_throttle)
+        return _nothing() if job is None else _job_response(svc, session, job)
+    waiter = Waiter(session)
+    svc.dispatcher.park(waiter)
+    disconnected = await hold(request, waiter.done, wait)
+    if waiter.abandon():
+        # Nothing was delivered, and from now on nothing will be.
+        if isinstance(waiter.error, ShuttingDown):
+            return Response(status_code=204, headers={"Retry-After": "1"})
+        if waiter.state is WaiterState.FAILED and waiter.error is not None:
+            raise waiter.error
+        return _nothing()
+    job = waiter.job
+    assert job is not None
+    if disconnected:
+        async with svc.pool.acquire() as conn:
+            await queue.put_back(conn, job.identity.job_execution_id, session.runner_session_id)
+        log.info(
+            "dispatch.put_back",
+            extra={"job_execution_id": str(job.identity.job_execution_id), "why": "disconnected"},
+        )
+        return _nothing()
+    return _job_response(svc, session, job)
+
+
+async def _lease_for(request: Request) -> auth.Lease:
+    lease = await auth.job_lease(request)
+    if _execution_id(request) != lease.identity.job_execution_id:
+        raise LeaseJobMismatch()
+    return lease
+
+
+async def heartbeat(request: Request) -> Response:
+    """Refresh the lease. With `wait`, hold the answer until a cancel arrives or `wait` passes."""
+    svc = auth.services(request)
+    lease = await _lease_for(request)
+    body = await read_json(
+        request, HeartbeatRequest, svc.settings.server.max_body_bytes, optional=True
+    )
+    wait = query_number(
+        request, "wait", low=0, high=svc.settings.runners.cancel_wait_max_seconds, default=0
+    )
+    capabilities = body.capabilities
+    if isinstance(capabilities, Capabilities):
+        _check_capabilities(capabilities)
+    execution, session_id = lease.identity.job_execution_id, lease.runner_session_id
+    with svc.cancels.watch(execution) as cancelled:
+        async with svc.pool.acquire() as conn:
+            if capabilities is msgspec.UNSET:
+                result = await leases.heartbeat(conn, execution, session_id)
+            else:
+                as_json = None if capabilities is None else capabilities.as_json()
+                result = await leases.heartbeat(conn, execution, session_id, as_json)
+        cancel = result.cancellation_requested
+        if not cancel and wait > 0:
+            await hold(request, cancelled, wait)
+            if cancelled.is_set() and not svc.closing:
+                async with svc.pool.acquire() as conn:
+                    cancel = await executions.cancel_requested(conn, execution, session_id)
+    renewed = auth.Lease(result.identity, session_id)
+    return json_response(
+        HeartbeatResponse(cancel=cancel, lease_token=auth.mint_lease(svc, renewed, svc.clock()))
+    )
+
+
+async def complete(request: Request) -> Response:
+    svc = auth.services(request)
+    lease = await _lease_for(request)
+    body = await read_json(request, CompleteRequest, svc.settings.server.max_body_bytes)
+    async with svc.pool.acquire() as conn:
+        ended = await leases.complete(
+            conn, lease.identity.job_execution_id, lease.runner_session_id, Outcome(body.outcome)
+        )
+    log.info(
+        "runner.completed",
+        extra={
+            "job_execution_id": str(lease.identity.job_execution_id),
+            "outcome": body.outcome,
+            "request_id": request.headers.get("x-request-id", str(uuid.uuid4())),
+        },
+    )
+    return json_response(CompleteResponse(recorded=ended.newly_ended))
+
+
+routes = [
+    Route("/v1/runners/register", register, methods=["POST"]),
+    Route("/v1/runners/jobs/request", request_job, methods=["POST"]),
+    Route("/v1/runners/jobs/{job_execution_id}/heartbeat", heartbeat, methods=["POST"]),
+    Route("/v1/runners/jobs/{job_execution_id}/complete", complete, methods=["POST"]),
+]

@@ -1,0 +1,1 @@
+"""msgspec Structs for every HTTP body and WebSocket message. Unknown fields are rejected."""

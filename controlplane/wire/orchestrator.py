@@ -1,0 +1,73 @@
+"""Orchestrator routes: enqueue, report outcomes, read execution state and the event feed."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+from uuid import UUID
+
+import msgspec
+
+from controlplane.wire.common import Labels, Reason, Strict
+
+AwareDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
+
+
+class EnqueueJob(Strict):
+    job_execution_id: UUID
+    job_id: UUID
+    workflow_run_id: UUID
+    workflow_run_attempt_id: UUID
+    workspace_id: UUID
+    project_id: UUID
+    required_labels: Labels
+    queued_at: AwareDatetime
+    payload: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
+
+
+class EnqueueRequest(Strict):
+    jobs: Annotated[list[EnqueueJob], msgspec.Meta(min_length=1)]
+
+
+class EnqueueResult(Strict):
+    job_execution_id: UUID
+    result: Literal["enqueued", "duplicate", "running", "ended"]
+
+
+class EnqueueResponse(Strict):
+    results: list[EnqueueResult]
+
+
+class OutcomeRequest(Strict):
+    status: Literal["cancelled", "succeeded", "failed"]
+    reason: Reason | None = None
+
+
+class OutcomeResponse(Strict):
+    was_pending: bool
+    was_running: bool
+    newly_ended: bool
+
+
+class ExecutionState(Strict):
+    job_execution_id: UUID
+    state: Literal["pending", "running", "ended"]
+    workspace_id: UUID | None = None
+    outcome: str | None = None
+    ended_by: str | None = None
+    runner_session_id: UUID | None = None
+    cancel_requested: bool = False
+
+
+class EventOut(Strict):
+    cursor: str
+    type: str
+    workspace_id: UUID | None
+    job_execution_id: UUID | None
+    payload: dict[str, Any]
+    created_at: datetime
+
+
+class EventsResponse(Strict):
+    events: list[EventOut]
+    next_cursor: str

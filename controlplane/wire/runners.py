@@ -1,0 +1,55 @@
+"""Runner routes: register, request a job, heartbeat (optionally held for cancel), complete."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+from uuid import UUID
+
+import msgspec
+
+from controlplane.wire.common import Capabilities, Labels, Strict
+
+
+class RegisterRequest(Strict):
+    labels: Labels
+    capabilities: Capabilities | None = None
+
+
+class RegisterResponse(Strict):
+    session_token: str
+    session_id: UUID
+    mode: Literal["manual", "ephemeral", "activation"]
+    max_claims: int | None
+    labels: list[str]
+    heartbeat_interval_seconds: float
+    long_poll_max_seconds: float
+
+
+class JobResponse(Strict):
+    job_execution_id: UUID
+    job_id: UUID
+    workflow_run_id: UUID
+    workflow_run_attempt_id: UUID
+    required_labels: list[str]
+    payload: dict[str, Any]
+    lease_token: str
+    heartbeat_interval_seconds: float
+
+
+class HeartbeatRequest(Strict):
+    # Omitted: the stored report is kept. null: the stored report is cleared.
+    capabilities: Capabilities | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class HeartbeatResponse(Strict):
+    cancel: bool
+    lease_token: str
+
+
+class CompleteRequest(Strict):
+    outcome: Literal["succeeded", "failed", "cancelled"]
+    exit_code: Annotated[int, msgspec.Meta(ge=-255, le=255)] | None = None
+
+
+class CompleteResponse(Strict):
+    recorded: bool  # False when the execution had already ended (cancelled by the orchestrator)
