@@ -130,101 +130,133 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(settings: Settings, *, on_ready: Callable[[str], None] | None = None) -> None:
+    """Run the daemon until SIGTERM or SIGINT."""
     async with database(settings) as url:
-        applied = await migrate(url, settings)
+        daemon = Daemon(settings, url)
+        await daemon.run(on_ready=on_ready, handle_signals=True)
+
+
+class Daemon:
+    """One replica. `run()` serves until `shutdown()` (or a signal, when asked to handle them)."""
+
+    def __init__(self, settings: Settings, url: str) -> None:
+        self.settings = settings
+        self.url = url
+        self.address = ""
+        self._stop = anyio.Event()
+        self.services: Services | None = None
+
+    def shutdown(self) -> None:
+        self._stop.set()
+
+    async def run(
+        self, *, on_ready: Callable[[str], None] | None = None, handle_signals: bool = False
+    ) -> None:
+        settings = self.settings
+        applied = await migrate(self.url, settings)
         if applied:
             log.info("migrations.applied", extra={"count": len(applied)})
-        connection = pool_settings(settings, url)
+        connection = pool_settings(settings, self.url)
         pool = await create_pool(connection)
         try:
-            await _run(settings, connection, pool, on_ready)
+            await self._serve(connection, pool, on_ready, handle_signals)
         finally:
             with anyio.CancelScope(shield=True):
                 await pool.close()
 
-
-async def _run(
-    settings: Settings,
-    connection: PoolSettings,
-    pool: asyncpg.Pool,
-    on_ready: Callable[[str], None] | None,
-) -> None:
-    runners = settings.runners
-    throttle = timedelta(seconds=runners.liveness_throttle_seconds)
-    dispatcher = Dispatcher(
-        PoolClaims(pool, throttle), tick_seconds=settings.maintenance.dispatch_safety_tick_seconds
-    )
-    cancels = CancelBoard()
-    keys = KeyRing(pool)
-    await keys.load()
-    services = Services(
-        settings=settings,
-        pool=pool,
-        dispatcher=dispatcher,
-        cancels=cancels,
-        keys=keys,
-        reserved_labels=settings.reserved_labels,
-    )
-
-    def reconnected() -> None:
-        dispatcher.wake_all()
-        cancels.wake_all()
-        services.signal_events()
-
-    listener = Listener(
-        connection,
-        {
-            queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher),
-            CANCEL_CHANNEL: cancels.notify,
-            EVENTS_CHANNEL: lambda _payload: services.signal_events(),
-        },
-        reconnected,
-    )
-    services.listener = listener
-    maintenance = Maintenance(
-        pool,
-        Leadership(connection),
-        rule=StaleRule(
-            threshold=timedelta(seconds=runners.stale_lease_threshold_seconds),
-            grace=timedelta(seconds=runners.no_first_heartbeat_grace_seconds),
-        ),
-        reaper_interval=settings.maintenance.reaper_interval_seconds,
-        reaper_limit=settings.maintenance.reaper_batch_limit,
-        gc_interval=settings.maintenance.session_gc_interval_seconds,
-        gc_limit=settings.maintenance.session_gc_batch_size,
-        manual_retention=timedelta(days=runners.manual_session_retention_days),
-        capped_retention=timedelta(days=runners.capped_session_retention_days),
-    )
-    server = _Server(
-        uvicorn.Config(
-            web_app.build(services),
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=int(settings.server.shutdown_grace_seconds),
+    async def _serve(
+        self,
+        connection: PoolSettings,
+        pool: asyncpg.Pool,
+        on_ready: Callable[[str], None] | None,
+        handle_signals: bool,
+    ) -> None:
+        settings = self.settings
+        runners = settings.runners
+        throttle = timedelta(seconds=runners.liveness_throttle_seconds)
+        dispatcher = Dispatcher(
+            PoolClaims(pool, throttle),
+            tick_seconds=settings.maintenance.dispatch_safety_tick_seconds,
         )
-    )
-    sock = _bind(settings.server.host, settings.server.port)
-    host, port = sock.getsockname()[:2]
-    address = f"http://{host}:{port}"
+        cancels = CancelBoard()
+        keys = KeyRing(pool)
+        await keys.load()
+        services = Services(
+            settings=settings,
+            pool=pool,
+            dispatcher=dispatcher,
+            cancels=cancels,
+            keys=keys,
+            reserved_labels=settings.reserved_labels,
+        )
+        self.services = services
 
-    async def stop_on_signal() -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("shutdown.requested", extra={"signal": signum})
-                dispatcher.close()
-                services.close()
-                server.should_exit = True
-                return
+        def reconnected() -> None:
+            dispatcher.wake_all()
+            cancels.wake_all()
+            services.signal_events()
 
-    async with anyio.create_task_group() as root:
-        root.start_soon(stop_on_signal)
-        await root.start(listener.run)
-        await root.start(dispatcher.run)
-        root.start_soon(maintenance.run)
-        log.info("server.listening", extra={"address": address})
-        if on_ready is not None:
-            on_ready(address)
-        await server.serve(sockets=[sock])
-        root.cancel_scope.cancel()
-    log.info("server.stopped")
+        listener = Listener(
+            connection,
+            {
+                queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher),
+                CANCEL_CHANNEL: cancels.notify,
+                EVENTS_CHANNEL: lambda _payload: services.signal_events(),
+            },
+            reconnected,
+        )
+        services.listener = listener
+        maintenance = Maintenance(
+            pool,
+            Leadership(connection),
+            rule=StaleRule(
+                threshold=timedelta(seconds=runners.stale_lease_threshold_seconds),
+                grace=timedelta(seconds=runners.no_first_heartbeat_grace_seconds),
+            ),
+            reaper_interval=settings.maintenance.reaper_interval_seconds,
+            reaper_limit=settings.maintenance.reaper_batch_limit,
+            gc_interval=settings.maintenance.session_gc_interval_seconds,
+            gc_limit=settings.maintenance.session_gc_batch_size,
+            manual_retention=timedelta(days=runners.manual_session_retention_days),
+            capped_retention=timedelta(days=runners.capped_session_retention_days),
+        )
+        server = _Server(
+            uvicorn.Config(
+                web_app.build(services),
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=int(settings.server.shutdown_grace_seconds),
+            )
+        )
+        sock = _bind(settings.server.host, settings.server.port)
+        host, port = sock.getsockname()[:2]
+        self.address = f"http://{host}:{port}"
+
+        async def stop_when_asked() -> None:
+            await self._stop.wait()
+            log.info("shutdown.requested")
+            dispatcher.close()
+            services.close()
+            server.should_exit = True
+
+        async def stop_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("signal.received", extra={"signal": int(signum)})
+                    self.shutdown()
+                    return
+
+        async with anyio.create_task_group() as root:
+            root.start_soon(stop_when_asked)
+            if handle_signals:
+                root.start_soon(stop_on_signal)
+            await root.start(listener.run)
+            await root.start(dispatcher.run)
+            root.start_soon(maintenance.run)
+            log.info("server.listening", extra={"address": self.address})
+            if on_ready is not None:
+                on_ready(self.address)
+            await server.serve(sockets=[sock])
+            root.cancel_scope.cancel()
+        log.info("server.stopped")

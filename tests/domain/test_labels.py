@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.domain import labels
+from controlplane.errors import InvalidInput
+
+
+def test_j02_canonicalise_trims_lowercases_dedupes_and_sorts() -> None:
+    assert labels.canonicalise(["Ubuntu22", " ubuntu22 ", "LINUX"]) == ("linux", "ubuntu22")
+
+
+def test_j04_whitespace_only_labels_canonicalise_to_empty() -> None:
+    assert labels.canonicalise([" ", "\t"]) == ()
+
+
+def test_plain_string_is_one_label_and_none_is_empty() -> None:
+    assert labels.canonicalise(" GPU ") == ("gpu",)
+    assert labels.canonicalise(None) == ()
+
+
+def test_j115_grammar_bounds() -> None:
+    assert labels.validate(["a" * 128]) == ("a" * 128,)
+    assert len(labels.validate([f"l{i}" for i in range(20)])) == 20
+    for bad in (["a" * 129], [f"l{i}" for i in range(21)], ["linux/amd64"], [" linux"], []):
+        with pytest.raises(InvalidInput):
+            labels.validate(bad)
+
+
+def test_j134_reserved_labels_parse_and_refuse_bad_entries() -> None:
+    assert labels.parse_reserved(" ShipFox-Managed, Linux,shipfox-managed ") == (
+        "linux",
+        "shipfox-managed",
+    )
+    assert labels.parse_reserved("") == ()
+    with pytest.raises(InvalidInput):
+        labels.parse_reserved("has space")
+
+
+def test_strip_reserved_keeps_order_of_the_rest() -> None:
+    assert labels.strip_reserved(("linux", "managed", "x64"), ("managed",)) == ("linux", "x64")
+
+
+def test_j19_j20_j21_match_rule() -> None:
+    assert labels.matches(("linux",), ("linux", "x64"))
+    assert labels.matches(("linux", "x64"), ("linux", "x64"))
+    assert not labels.matches(("macos",), ("linux", "x64"))
+    assert not labels.matches(("linux",), ())
+
+
+@given(st.lists(st.text(max_size=8), max_size=10))
+def test_canonicalise_is_idempotent_and_sorted(raw: list[str]) -> None:
+    once = labels.canonicalise(raw)
+    assert labels.canonicalise(once) == once
+    assert list(once) == sorted(set(once))
+    assert all(label and label == label.strip().lower() for label in once)

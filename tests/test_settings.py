@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from controlplane import settings
+from controlplane.errors import ConfigError
+
+CONFIG = Path(__file__).resolve().parents[1] / "config" / "controlplane.toml"
+
+
+def _knobs() -> list[tuple[str, str]]:
+    return [
+        (section.name, knob.name)
+        for section in msgspec.structs.fields(settings.Settings)
+        for knob in msgspec.structs.fields(section.type)
+    ]
+
+
+def test_config_file_documents_every_knob_with_its_default() -> None:
+    documented = tomllib.loads(CONFIG.read_text())
+    defaults = msgspec.to_builtins(settings.Settings())
+    for section, knob in _knobs():
+        assert knob in documented[section], f"{section}.{knob} missing from {CONFIG.name}"
+        assert documented[section][knob] == defaults[section][knob], f"{section}.{knob}"
+    assert settings.load(CONFIG, environ={}) == settings.Settings()
+
+
+def test_environment_overrides_file_and_database_url_alias() -> None:
+    loaded = settings.load(
+        CONFIG,
+        environ={"CONTROLPLANE_SERVER_PORT": "9001", "DATABASE_URL": "postgresql://x/y"},
+    )
+    assert loaded.server.port == 9001
+    assert loaded.database.url == "postgresql://x/y"
+
+
+@pytest.mark.parametrize(("section", "knob"), _knobs())
+def test_every_numeric_knob_refuses_an_invalid_value_naming_it(section: str, knob: str) -> None:
+    default = getattr(getattr(settings.Settings(), section), knob)
+    if isinstance(default, str):
+        bad = {"reserved_labels": "has space"}.get(knob)
+        if bad is None:
+            pytest.skip("free-form text knob")
+    else:
+        bad = "-1000000000"
+    env = {f"CONTROLPLANE_{section.upper()}_{knob.upper()}": bad}
+    with pytest.raises(ConfigError, match=f"{section}.{knob}"):
+        settings.load(environ=env)
+
+
+def test_cross_knob_rules() -> None:
+    with pytest.raises(ConfigError, match="no_first_heartbeat_grace_seconds"):
+        settings.load(environ={"CONTROLPLANE_RUNNERS_NO_FIRST_HEARTBEAT_GRACE_SECONDS": "180"})
+    with pytest.raises(ConfigError, match="pool_min_size"):
+        settings.load(environ={"CONTROLPLANE_DATABASE_POOL_MIN_SIZE": "50"})
+    with pytest.raises(ConfigError, match="heartbeat_interval_seconds"):
+        settings.load(environ={"CONTROLPLANE_RUNNERS_HEARTBEAT_INTERVAL_SECONDS": "100"})
+
+
+def test_j133_grace_values() -> None:
+    for bad in ["0", "-5", "1.5", "180"]:
+        with pytest.raises(ConfigError, match="no_first_heartbeat_grace_seconds"):
+            settings.load(environ={"CONTROLPLANE_RUNNERS_NO_FIRST_HEARTBEAT_GRACE_SECONDS": bad})
+    ok = settings.load(environ={"CONTROLPLANE_RUNNERS_NO_FIRST_HEARTBEAT_GRACE_SECONDS": "60"})
+    assert ok.runners.no_first_heartbeat_grace_seconds == 60
+
+
+def test_unknown_environment_setting_and_bad_file_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="CONTROLPLANE_SERVER_PROT"):
+        settings.load(environ={"CONTROLPLANE_SERVER_PROT": "1"})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server]\nprot = 1\n")
+    with pytest.raises(ConfigError, match="prot"):
+        settings.load(bad, environ={})
+    with pytest.raises(ConfigError, match="not found"):
+        settings.load(tmp_path / "missing.toml", environ={})
