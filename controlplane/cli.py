@@ -14,9 +14,10 @@ import anyio
 import msgspec
 
 from controlplane import app, logs, settings
-from controlplane.errors import ConfigError, ControlPlaneError
+from controlplane.errors import ConfigError, ControlPlaneError, InvalidInput
 from controlplane.store import credentials
 from controlplane.store.pool import connect
+from controlplane.wire import admin as admin_wire
 
 _encoder = msgspec.json.Encoder()
 
@@ -64,12 +65,29 @@ def _ttl(seconds: int | None) -> timedelta | None:
     return None if seconds is None else timedelta(seconds=seconds)
 
 
+def _checked_create(args: argparse.Namespace) -> None:
+    """The admin API's rules for creates, so the CLI cannot store what HTTP refuses."""
+    fields: dict[str, Any] = {"name": args.name, "ttl_seconds": args.ttl}
+    try:
+        if args.kind == "registration":
+            msgspec.convert(
+                {**fields, "workspace_id": str(args.workspace)}, admin_wire.CreateRegistrationToken
+            )
+        else:
+            msgspec.convert({**fields, "kind": args.kind}, admin_wire.CreateApiKey)
+    except msgspec.ValidationError as error:
+        raise InvalidInput(f"invalid token request: {error}") from error
+
+
 def _cmd_tokens(config: settings.Settings, args: argparse.Namespace) -> None:
+    if args.action == "create":
+        if args.kind == "registration" and args.workspace is None:
+            raise InvalidInput("registration tokens need --workspace")
+        _checked_create(args)
+
     async def work(conn: Any) -> None:
         if args.action == "create":
             if args.kind == "registration":
-                if args.workspace is None:
-                    raise ConfigError("registration tokens need --workspace")
                 created, raw = await credentials.create_manual_token(
                     conn, workspace_id=args.workspace, name=args.name, ttl=_ttl(args.ttl)
                 )

@@ -67,6 +67,15 @@ def query_number(request: Request, name: str, *, low: float, high: float, defaul
     return value
 
 
+def query_integer(request: Request, name: str, *, low: int, high: int, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.lstrip("-").isdigit() or not low <= int(raw) <= high:
+        raise InvalidInput(f"query {name} must be an integer from {low} to {high}", field=name)
+    return int(raw)
+
+
 def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(_encoder.encode(value), status, headers=headers, media_type="application/json")
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 
+import asyncpg
 import msgspec
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -50,7 +52,35 @@ async def handle_control_plane_error(_request: Request, exc: Exception) -> Respo
     return error_response(exc)
 
 
+async def handle_http_exception(_request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (no such route) and 405 (wrong method), in our envelope."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not-found", 405: "method-not-allowed"}.get(exc.status_code, "http-error")
+    body = ErrorEnvelope(error=ErrorBody(code=code, message=str(exc.detail)))
+    return Response(
+        _encoder.encode(body), exc.status_code, headers=exc.headers, media_type="application/json"
+    )
+
+
+_DATABASE_FAULTS = (
+    OSError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.QueryCanceledError,
+    asyncpg.LockNotAvailableError,
+    asyncpg.CannotConnectNowError,
+    TimeoutError,
+)
+
+
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, _DATABASE_FAULTS):
+        # The database is unreachable, restarting, or too slow: retryable, so 503.
+        log.warning(
+            "http.database_unavailable",
+            extra={"path": request.url.path, "error": type(exc).__name__},
+        )
+        return error_response(errors.Unavailable("database unavailable; retry"))
     log.error(
         "http.unhandled",
         exc_info=exc,

@@ -16,7 +16,7 @@ from controlplane.errors import InvalidInput, NotFound, PayloadTooLarge
 from controlplane.store import events, executions, leases, queue
 from controlplane.store.credentials import Credential
 from controlplane.web import auth
-from controlplane.web.edge import json_response, query_number, read_json
+from controlplane.web.edge import json_response, query_integer, query_number, read_json
 from controlplane.web.services import Services
 from controlplane.wire import orchestrator as wire
 
@@ -155,7 +155,7 @@ async def read_events(request: Request) -> Response:
         except ValueError as error:
             raise InvalidInput("workspace_id must be a UUID", field="workspace_id") from error
         auth.require_workspace(key, workspace)
-    limit = int(query_number(request, "limit", low=1, high=1000, default=100))
+    limit = query_integer(request, "limit", low=1, high=1000, default=100)
     wait = query_number(
         request, "wait", low=0, high=svc.settings.runners.long_poll_max_seconds, default=0
     )
