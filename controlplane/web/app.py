@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
 
 from controlplane.errors import ControlPlaneError
-from controlplane.web import admin, health, orchestrator, runners
-from controlplane.web.errors import handle_control_plane_error, handle_unexpected
+from controlplane.web import admin, health, openapi, orchestrator, runners
+from controlplane.web.errors import (
+    handle_control_plane_error,
+    handle_http_exception,
+    handle_unexpected,
+)
 from controlplane.web.services import Services
 
 
 def build(services: Services) -> Starlette:
     app = Starlette(
-        routes=[*health.routes, *runners.routes, *orchestrator.routes, *admin.routes],
+        routes=[
+            *health.routes,
+            *runners.routes,
+            *orchestrator.routes,
+            *admin.routes,
+            Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
+        ],
         exception_handlers={
             ControlPlaneError: handle_control_plane_error,
+            HTTPException: handle_http_exception,
             Exception: handle_unexpected,
         },
     )

@@ -1,0 +1,332 @@
+"""The OpenAPI 3.1 document, built from the app's route list and the wire Structs.
+
+Each route has one row in OPERATIONS; `document()` refuses a route without a row and a row without
+a route, so the table cannot drift from the app. Bodies are the msgspec Structs the routes decode
+and encode (schemas under components/schemas); error statuses come from web/errors.py's table.
+The error codes of a row are completed from what it declares: its token kind's auth codes, a body's
+`validation-error` and `payload-too-large`, a path or query parameter's `validation-error`.
+Nothing here reads the daemon's settings (limits are named by knob, with the built-in default), so
+every daemon serves the same document. `python -m controlplane.web.openapi > docs/openapi.json`
+writes it; tests/web/test_openapi.py checks that file against what a running daemon serves.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from typing import Any, cast
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from controlplane import errors
+from controlplane.settings import Settings
+from controlplane.web.edge import json_response
+from controlplane.web.errors import STATUS
+from controlplane.wire import admin, orchestrator, runners
+from controlplane.wire.common import ErrorEnvelope
+
+_REF = "#/components/schemas/{name}"
+_TEXT = "text/plain"
+_KNOBS = Settings()
+_OPAQUE = "opaque `cp_{}_<43 base64url chars>` (256 random bits; only its SHA-256 is stored)"
+_SIGNED = "signed `cp_{}_<kid>.<base64url claims>.<HMAC-SHA256>` (kid names the signing key)"
+_API_KEY_CODES = ("unauthorized", "api-key-revoked", "api-key-expired")
+
+OAK, ADM, MRT = "orchestratorKey", "adminKey", "manualRegistrationToken"
+RS, JL = "runnerSession", "jobLease"
+_R = _KNOBS.runners
+_MRT_CODES = ("unauthorized", "registration-token-expired", "manual-registration-token-revoked")
+
+# Security scheme -> (tag of its routes, auth error codes, description).
+# fmt: off
+SECURITY: dict[str, tuple[str, tuple[str, ...], str]] = {
+    OAK: ("orchestrator", _API_KEY_CODES, f"Orchestrator API key, {_OPAQUE.format('oak')}."),
+    ADM: ("admin", _API_KEY_CODES, f"Admin API key, {_OPAQUE.format('adm')}."),
+    MRT: ("runners", _MRT_CODES, f"Manual registration token, {_OPAQUE.format('mrt')}."),
+    RS: ("runners", ("unauthorized",), f"Runner session token, {_SIGNED.format('rs')}; lives "
+         f"runners.session_token_ttl_seconds (default {_R.session_token_ttl_seconds})."),
+    JL: ("runners", ("unauthorized",), f"Job lease token, {_SIGNED.format('jl')}; lives "
+         f"runners.lease_token_ttl_seconds (default {_R.lease_token_ttl_seconds})."),
+}
+# fmt: on
+
+# Every wire error code: the class that raises it (which fixes the status) and when.
+# fmt: off
+ERRORS: dict[str, tuple[type[errors.ControlPlaneError], str]] = {
+    "validation-error": (errors.InvalidInput, "a body, path or query value is invalid"),
+    "invalid-cursor": (errors.InvalidInput, "`after` is not a `<xid>.<seq>` cursor"),
+    "runner-labels-reserved": (errors.InvalidInput, "every supplied label is reserved"),
+    "unauthorized": (errors.Unauthorized, "missing, malformed, wrong-kind, unknown or expired"),
+    "api-key-revoked": (errors.Unauthorized, "the API key was revoked"),
+    "api-key-expired": (errors.Unauthorized, "the API key expired"),
+    "registration-token-expired": (errors.Unauthorized, "the registration token expired"),
+    "manual-registration-token-revoked": (errors.Unauthorized, "the token was revoked"),
+    "forbidden": (errors.Forbidden, "the key is scoped to another workspace"),
+    "not-found": (errors.NotFound, "no such execution, key or token (visible to this key)"),
+    "lease-job-mismatch": (errors.LeaseJobMismatch, "the lease is for another execution"),
+    "running-job-execution-not-found": (errors.RunningJobExecutionNotFound,
+                                        "this session holds no lease on the execution"),
+    "runner-session-exhausted": (errors.RunnerSessionExhausted, "a capped session is used up"),
+    "payload-too-large": (errors.PayloadTooLarge, "body or job payload over its limit"),
+    "unavailable": (errors.Unavailable, "too many runners waiting, or a claim failed; retry"),
+    "server-error": (errors.ControlPlaneError, "an unexpected error"),
+}
+# fmt: on
+
+
+def _query(name: str, schema: dict[str, Any], text: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": text}
+
+
+def _wait(default: str, knob: str) -> dict[str, Any]:
+    section, _, name = knob.partition(".")
+    high = f"{knob} (default {getattr(getattr(_KNOBS, section), name):g})"
+    text = f"Seconds to hold the request; 0 answers at once. Default {default}, at most {high}."
+    return _query("wait", {"type": "number", "minimum": 0}, text)
+
+
+_UUID = {"type": "string", "format": "uuid"}
+_LIMIT = {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}
+QUERY: dict[str, dict[str, Any]] = {
+    "wait:job": _wait("the maximum", "runners.long_poll_max_seconds"),
+    "wait:cancel": _wait("0", "runners.cancel_wait_max_seconds"),
+    "wait:events": _wait("0", "runners.long_poll_max_seconds"),
+    "after": _query("after", {"type": "string"}, "Cursor `<xid>.<seq>`; omitted: from the start."),
+    "limit": _query("limit", _LIMIT, "The most events to return."),
+    "workspace_id": _query("workspace_id", _UUID, "Only this workspace (scoped key: its own)."),
+    "workspace_id:tokens": _query("workspace_id", _UUID, "Only this workspace's tokens."),
+}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One route: summary, token kind, request and success bodies, its own error codes."""
+
+    summary: str
+    auth: str | None = None  # a SECURITY key; None: no auth
+    body: type | None = None
+    answer: Any = None  # a Struct type, an inline JSON schema, or _TEXT
+    errors: str = ""  # codes beyond those implied by auth, body and parameters
+    query: tuple[str, ...] = ()
+    ok: int = 200
+    also: dict[str, Any] = field(default_factory=dict)  # other non-error responses
+    optional_body: bool = False
+
+
+_READY = {
+    "type": "object",
+    "properties": {"ready": {"type": "boolean"}, "checks": {"type": "object"}},
+    "required": ["ready", "checks"],
+}
+_RETRY = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
+_NOT_READY = {"description": "Not ready", "content": {"application/json": {"schema": _READY}}}
+_NO_JOB = {
+    "description": "No job within `wait` (Retry-After: 0), or shutting down (Retry-After: 1)",
+    "headers": _RETRY,
+}
+_LEASE = "lease-job-mismatch running-job-execution-not-found"
+
+# fmt: off
+OPERATIONS: dict[str, Op] = {
+    "GET /healthz": Op("Liveness", answer={"type": "object", "required": ["status"]}),
+    "GET /readyz": Op("Readiness", answer=_READY, also={"503": _NOT_READY}),
+    "GET /metrics": Op("Prometheus metrics", answer=_TEXT),
+    "GET /openapi.json": Op("This document", answer={"type": "object"}),
+    "POST /v1/runners/register": Op(
+        "Register a manual runner session", MRT, runners.RegisterRequest,
+        runners.RegisterResponse, "runner-labels-reserved"),
+    "POST /v1/runners/jobs/request": Op(
+        "Long-poll for a job", RS, None, runners.JobResponse,
+        "runner-session-exhausted unavailable", ("wait:job",), also={"204": _NO_JOB}),
+    "POST /v1/runners/jobs/{job_execution_id}/heartbeat": Op(
+        "Refresh the lease; with wait, hold until cancelled", JL, runners.HeartbeatRequest,
+        runners.HeartbeatResponse, _LEASE, ("wait:cancel",), optional_body=True),
+    "POST /v1/runners/jobs/{job_execution_id}/complete": Op(
+        "Report the outcome; the lease is removed", JL, runners.CompleteRequest,
+        runners.CompleteResponse, _LEASE),
+    "POST /v1/jobs": Op(
+        "Enqueue job executions (idempotent)", OAK, orchestrator.EnqueueRequest,
+        orchestrator.EnqueueResponse, "forbidden"),
+    "GET /v1/jobs/{job_execution_id}": Op(
+        "Read an execution's state", OAK, None, orchestrator.ExecutionState, "not-found"),
+    "POST /v1/jobs/{job_execution_id}/outcome": Op(
+        "End an execution (idempotent)", OAK, orchestrator.OutcomeRequest,
+        orchestrator.OutcomeResponse, "not-found"),
+    "GET /v1/events": Op(
+        "Read the event feed", OAK, None, orchestrator.EventsResponse,
+        "invalid-cursor forbidden", ("after", "limit", "wait:events", "workspace_id")),
+    "POST /v1/admin/api-keys": Op(
+        "Create an API key", ADM, admin.CreateApiKey, admin.CreatedCredential, ok=201),
+    "GET /v1/admin/api-keys": Op("List API keys", ADM, None, admin.CredentialList),
+    "POST /v1/admin/api-keys/{id}/revoke": Op(
+        "Revoke an API key (idempotent)", ADM, None, admin.CredentialOut, "not-found"),
+    "POST /v1/admin/registration-tokens": Op(
+        "Create a manual registration token", ADM, admin.CreateRegistrationToken,
+        admin.CreatedCredential, ok=201),
+    "GET /v1/admin/registration-tokens": Op(
+        "List manual registration tokens", ADM, None, admin.CredentialList,
+        query=("workspace_id:tokens",)),
+    "POST /v1/admin/registration-tokens/{id}/revoke": Op(
+        "Revoke a manual registration token (idempotent)", ADM, None, admin.CredentialOut,
+        "not-found"),
+    "GET /v1/admin/queue": Op("Queue depth, per workspace", ADM, None, admin.QueueOut),
+}
+# fmt: on
+
+# Longer notes, as each operation's description.
+NOTES = {
+    "POST /v1/runners/register": "Labels are canonicalised (trimmed, lower-cased, deduplicated, "
+    "sorted); labels in runners.reserved_labels are dropped.",
+    "POST /v1/runners/jobs/request": "No request body is read. Claims the oldest compatible "
+    "pending job of the session's workspace; a claim whose client went away is put back.",
+    "POST /v1/runners/jobs/{job_execution_id}/heartbeat": "An empty or `null` body is `{}`. "
+    "`capabilities` omitted keeps the stored report, `null` clears it, an object replaces it.",
+    "POST /v1/runners/jobs/{job_execution_id}/complete": "`recorded` is false when the execution "
+    "had already ended (the orchestrator ended it first); the lease is removed either way.",
+    "POST /v1/jobs": f"At most queue.max_batch_size (default {_KNOBS.queue.max_batch_size}) jobs; "
+    f"a payload is a JSON object of at most queue.max_payload_bytes (default "
+    f"{_KNOBS.queue.max_payload_bytes}) bytes. One result per job, in order.",
+    "POST /v1/jobs/{job_execution_id}/outcome": "An installation-wide key may end an execution "
+    "never seen (its tombstone stops a later enqueue); a workspace-scoped key gets 404.",
+    "GET /v1/events": "Events after `after`, oldest first; with `wait`, held until one arrives.",
+}
+
+
+def status(code: str) -> int:
+    kind = ERRORS[code][0]
+    return next(value for base, value in STATUS if issubclass(kind, base))
+
+
+def codes(route: Route, op: Op) -> list[str]:
+    """Every error code the route can answer with, in ERRORS order."""
+    found = set(op.errors.split())
+    if op.auth is not None:
+        found.update((*SECURITY[op.auth][1], "server-error"))
+    if op.body is not None:
+        found.update(("validation-error", "payload-too-large"))
+    if op.query or route.param_convertors:
+        found.add("validation-error")
+    return [code for code in ERRORS if code in found]
+
+
+def _schema(kind: Any) -> Any:
+    return {"$ref": _REF.format(name=kind.__name__)} if isinstance(kind, type) else kind
+
+
+def _json(schema: Any) -> dict[str, Any]:
+    return {"application/json": {"schema": _schema(schema)}}
+
+
+def _errors(found: Sequence[str]) -> dict[str, Any]:
+    by_status: dict[int, list[str]] = {}
+    for code in found:
+        by_status.setdefault(status(code), []).append(code)
+    out: dict[str, Any] = {}
+    for value, group in sorted(by_status.items()):
+        only = {"properties": {"error": {"properties": {"code": {"enum": group}}}}}
+        out[str(value)] = {
+            "description": "; ".join(f"`{code}`: {ERRORS[code][1]}" for code in group),
+            "content": _json({"allOf": [_schema(ErrorEnvelope), only]}),
+            **({"headers": _RETRY} if value == 503 else {}),
+        }
+    return out
+
+
+def _operation(route: Route, key: str, op: Op) -> dict[str, Any]:
+    ok: dict[str, Any] = {"description": op.summary}
+    if op.answer is _TEXT:
+        ok["content"] = {_TEXT: {"schema": {"type": "string"}}}
+    elif op.answer is not None:
+        ok["content"] = _json(op.answer)
+    out: dict[str, Any] = {
+        "operationId": getattr(route.endpoint, "__name__", route.name),
+        "summary": op.summary,
+        "tags": [SECURITY[op.auth][0] if op.auth else "health"],
+    }
+    if key in NOTES:
+        out["description"] = NOTES[key]
+    if op.auth is not None:
+        out["security"] = [{op.auth: []}]
+    path = [
+        {"name": name, "in": "path", "required": True, "schema": _UUID}
+        for name in route.param_convertors
+    ]
+    if parameters := path + [QUERY[name] for name in op.query]:
+        out["parameters"] = parameters
+    if op.body is not None:
+        out["requestBody"] = {"required": not op.optional_body, "content": _json(op.body)}
+    out["responses"] = {str(op.ok): ok, **op.also, **_errors(codes(route, op))}
+    return out
+
+
+def _structs() -> list[type]:
+    found: set[type] = {ErrorEnvelope}
+    for op in OPERATIONS.values():
+        found.update(kind for kind in (op.body, op.answer) if isinstance(kind, type))
+    return sorted(found, key=lambda kind: kind.__name__)
+
+
+def document(routes: Sequence[BaseRoute]) -> dict[str, Any]:
+    """The document for `routes`. Raises ValueError when a route and OPERATIONS disagree."""
+    paths: dict[str, dict[str, Any]] = {}
+    seen: set[str] = set()
+    for route in routes:
+        if not isinstance(route, Route):
+            raise ValueError(f"cannot document {route!r}")
+        for method in sorted((route.methods or set()) - {"HEAD"}):
+            key = f"{method} {route.path}"
+            if key not in OPERATIONS:
+                raise ValueError(f"{key} has no row in OPERATIONS")
+            seen.add(key)
+            paths.setdefault(route.path, {})[method.lower()] = _operation(
+                route, key, OPERATIONS[key]
+            )
+    if missing := sorted(set(OPERATIONS) - seen):
+        raise ValueError(f"OPERATIONS rows without a route: {missing}")
+    _, schemas = msgspec.json.schema_components(_structs(), ref_template=_REF)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "controlplane",
+            "version": version("controlplane"),
+            "description": "Dispatches CI job executions to self-hosted runners. Every error "
+            "body is an ErrorEnvelope. Guide: docs/api.md.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": dict(sorted(schemas.items())),
+            "securitySchemes": {
+                name: {"type": "http", "scheme": "bearer", "description": text}
+                for name, (_, _, text) in SECURITY.items()
+            },
+        },
+    }
+
+
+def encode(doc: dict[str, Any]) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n"
+
+
+async def openapi_json(request: Request) -> Response:
+    """GET /openapi.json: the document for this app's routes, built on first use."""
+    state = request.app.state
+    if getattr(state, "openapi", None) is None:
+        state.openapi = document(request.app.routes)
+    return json_response(state.openapi)
+
+
+def main() -> None:
+    from controlplane.web import app  # imported here: app imports this module
+    from controlplane.web.services import Services
+
+    # build() only stores the services on the app state; routes do not need them.
+    sys.stdout.buffer.write(encode(document(app.build(cast(Services, None)).routes)))
+
+
+if __name__ == "__main__":
+    main()
