@@ -82,60 +82,61 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
     for index, job in enumerate(jobs):
         first.setdefault(job.identity.job_execution_id, index)
     ids = list(first)
+    todo = [jobs[first[i]] for i in ids]
     async with conn.transaction():
         await lock_executions(conn, ids)
-        blocked = await conn.fetch(
+        # One statement after the locks (so its snapshot sees whatever the lock holders
+        # committed): find running and ended executions, insert the rest, notify per
+        # distinct (workspace, labels) of what was inserted.
+        row = await conn.fetchrow(
             """
-            SELECT job_execution_id, 'running' AS state FROM running_jobs
-            WHERE job_execution_id = ANY($1::uuid[])
-            UNION ALL
-            SELECT job_execution_id, 'ended' FROM ended_executions
-            WHERE job_execution_id = ANY($1::uuid[])
-            """,
-            ids,
-        )
-        state: dict[UUID, EnqueueResult] = {}
-        for row in blocked:
-            # A lease and a tombstone can coexist (cancelled while running): ended wins.
-            if state.get(row["job_execution_id"]) != EnqueueResult.ENDED:
-                state[row["job_execution_id"]] = EnqueueResult(row["state"])
-        todo = [jobs[first[i]] for i in ids if i not in state]
-        inserted: set[UUID] = set()
-        if todo:
-            rows = await conn.fetch(
-                """
+            WITH input AS (
+                SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[],
+                                     $6::uuid[], $7::text[], $8::text[], $9::timestamptz[],
+                                     $10::text[])
+                     AS t(ws, run, attempt, job, ex, project, labels, body, queued, wake)
+            ), running AS (
+                SELECT job_execution_id AS ex FROM running_jobs
+                WHERE job_execution_id IN (SELECT ex FROM input)
+            ), ended AS (
+                SELECT job_execution_id AS ex FROM ended_executions
+                WHERE job_execution_id IN (SELECT ex FROM input)
+            ), inserted AS (
                 INSERT INTO pending_jobs (workspace_id, workflow_run_id, workflow_run_attempt_id,
                     job_id, job_execution_id, project_id, required_labels, payload, created_at)
                 SELECT ws, run, attempt, job, ex, project,
                        ARRAY(SELECT jsonb_array_elements_text(labels::jsonb)), body::jsonb, queued
-                FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[],
-                            $6::uuid[], $7::text[], $8::text[], $9::timestamptz[])
-                     AS t(ws, run, attempt, job, ex, project, labels, body, queued)
+                FROM input
+                WHERE ex NOT IN (SELECT ex FROM running) AND ex NOT IN (SELECT ex FROM ended)
                 ON CONFLICT (job_execution_id) DO NOTHING
-                RETURNING job_execution_id, workspace_id
-                """,
-                [j.identity.workspace_id for j in todo],
-                [j.identity.workflow_run_id for j in todo],
-                [j.identity.workflow_run_attempt_id for j in todo],
-                [j.identity.job_id for j in todo],
-                [j.identity.job_execution_id for j in todo],
-                [j.identity.project_id for j in todo],
-                [json_text(j.required_labels) for j in todo],
-                [json_text(j.payload) for j in todo],
-                [j.queued_at for j in todo],
+                RETURNING job_execution_id
+            ), woken AS (
+                SELECT count(pg_notify($11, wake)) AS n
+                FROM (SELECT DISTINCT input.wake FROM inserted
+                      JOIN input ON input.ex = inserted.job_execution_id) AS w
             )
-            inserted = {row["job_execution_id"] for row in rows}
-            labels_of = {j.identity.job_execution_id: j.required_labels for j in todo}
-            wakes = sorted(
-                {
-                    enqueued_payload(row["workspace_id"], labels_of[row["job_execution_id"]])
-                    for row in rows
-                }
-            )
-            if wakes:
-                await conn.execute(
-                    "SELECT pg_notify($1, w) FROM unnest($2::text[]) AS w", ENQUEUED_CHANNEL, wakes
-                )
+            SELECT ARRAY(SELECT job_execution_id FROM inserted) AS inserted,
+                   ARRAY(SELECT ex FROM running) AS running,
+                   ARRAY(SELECT ex FROM ended) AS ended,
+                   (SELECT n FROM woken) AS woken
+            """,
+            [j.identity.workspace_id for j in todo],
+            [j.identity.workflow_run_id for j in todo],
+            [j.identity.workflow_run_attempt_id for j in todo],
+            [j.identity.job_id for j in todo],
+            [j.identity.job_execution_id for j in todo],
+            [j.identity.project_id for j in todo],
+            [json_text(j.required_labels) for j in todo],
+            [json_text(j.payload) for j in todo],
+            [j.queued_at for j in todo],
+            [enqueued_payload(j.identity.workspace_id, j.required_labels) for j in todo],
+            ENQUEUED_CHANNEL,
+        )
+    assert row is not None
+    inserted = set(row["inserted"])
+    # A lease and a tombstone can coexist (cancelled while running): ended wins.
+    state = dict.fromkeys(row["running"], EnqueueResult.RUNNING)
+    state.update(dict.fromkeys(row["ended"], EnqueueResult.ENDED))
     results = []
     for index, job in enumerate(jobs):
         execution_id = job.identity.job_execution_id
@@ -180,104 +181,120 @@ async def claim(
     An orphan (a pending row whose execution already has a lease) is deleted and stepped over;
     it spends no claim and writes no event.
     """
-    await touch_session(conn, session, liveness_throttle)
     if not session.labels:
+        await touch_session(conn, session, liveness_throttle)
         return None
+    if session.max_claims is None:
+        # Uncapped: each attempt is one autocommitted statement, one round trip.
+        return await _claim_attempts(conn, session, liveness_throttle, None, None)
     async with conn.transaction():
-        if session.max_claims is not None:
-            row = await conn.fetchrow(
-                """
-                SELECT max_claims, claims_used, revoked_at, provisioner_id, provider_runner_id
-                FROM runner_sessions WHERE id = $1 FOR UPDATE
-                """,
-                session.runner_session_id,
+        row = await conn.fetchrow(
+            """
+            UPDATE runner_sessions
+            SET updated_at = CASE WHEN updated_at < now() - $3::interval THEN now()
+                                  ELSE updated_at END
+            WHERE id = $1 AND workspace_id = $2
+            RETURNING max_claims, claims_used, revoked_at, provisioner_id, provider_runner_id
+            """,
+            session.runner_session_id,
+            session.workspace_id,
+            liveness_throttle,
+        )
+        exhausted = (
+            row is None
+            or row["revoked_at"] is not None
+            or row["max_claims"] is None
+            or row["claims_used"] >= row["max_claims"]
+        )
+        if not exhausted:
+            assert row is not None
+            return await _claim_attempts(
+                conn, session, liveness_throttle, row["provisioner_id"], row["provider_runner_id"]
             )
-            if (
-                row is None
-                or row["revoked_at"] is not None
-                or row["max_claims"] is None
-                or row["claims_used"] >= row["max_claims"]
-            ):
-                raise RunnerSessionExhausted()
-            provisioner_id, provider_runner_id = row["provisioner_id"], row["provider_runner_id"]
-        else:
-            provisioner_id, provider_runner_id = None, None
-        stepped_over: list[UUID] = []
-        while len(stepped_over) <= MAX_BUSY_HEADS:
-            candidate = await conn.fetchrow(
-                f"""
-                SELECT p.id, {_EXECUTION_TRY_LOCK} AS locked
-                FROM (SELECT id, job_execution_id FROM pending_jobs
-                      WHERE workspace_id = $1 AND required_labels <@ $2::text[]
-                        AND NOT (id = ANY($3::uuid[]))
-                      ORDER BY created_at, id
-                      LIMIT 1
-                      FOR UPDATE SKIP LOCKED) AS p
-                """,
-                session.workspace_id,
-                list(session.labels),
-                stepped_over,
-            )
-            if candidate is None:
-                return None
-            if not candidate["locked"]:
-                stepped_over.append(candidate["id"])
-                continue
-            claimed = await conn.fetchrow(
-                f"""
-                WITH taken AS (
-                    DELETE FROM pending_jobs WHERE id = $1
-                    RETURNING id, {IDENTITY_COLUMNS}, required_labels, payload, created_at
-                )
-                INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id,
-                    provisioner_id, provider_runner_id, required_labels, runner_labels, payload,
-                    queued_at)
-                SELECT id, {IDENTITY_COLUMNS}, $2, $3, $4, required_labels, $5::text[], payload,
-                       created_at
-                FROM taken
-                ON CONFLICT (job_execution_id) DO NOTHING
-                RETURNING {IDENTITY_COLUMNS}, required_labels, payload::text AS payload,
-                          queued_at, started_at
-                """,
-                candidate["id"],
-                session.runner_session_id,
-                provisioner_id,
-                provider_runner_id,
-                list(session.labels),
-            )
-            if claimed is None:
-                stepped_over.append(candidate["id"])  # an orphan, now deleted
-                continue
-            job = ClaimedJob(
-                identity=identity(claimed),
-                required_labels=tuple(claimed["required_labels"]),
-                payload=json_value(claimed["payload"]),
-                queued_at=claimed["queued_at"],
-                started_at=claimed["started_at"],
-            )
-            if session.max_claims is not None:
-                await conn.execute(
-                    """
-                    UPDATE runner_sessions SET claims_used = claims_used + 1, updated_at = now()
-                    WHERE id = $1
-                    """,
-                    session.runner_session_id,
-                )
-            await events.write(
-                conn,
-                [
-                    (
-                        EventType.CLAIMED,
-                        job.identity,
-                        events.identity_payload(
-                            job.identity,
-                            runner_session_id=str(session.runner_session_id),
-                            claimed_at=job.started_at.isoformat(),
-                        ),
-                    )
-                ],
-            )
-            return job
+    # Raised after commit, so the liveness touch of an exhausted session's poll is kept.
+    raise RunnerSessionExhausted()
+
+
+# One claim attempt in one statement. $1 workspace, $2 session labels, $3 rows stepped over,
+# $4 session, $5/$6 provisioned link, $7 liveness throttle, $8 capped.
+_CLAIM = f"""
+WITH candidate AS MATERIALIZED (
+    SELECT p.id, {_EXECUTION_TRY_LOCK} AS locked
+    FROM (SELECT id, job_execution_id FROM pending_jobs
+          WHERE workspace_id = $1 AND required_labels <@ $2::text[]
+            AND NOT (id = ANY($3::uuid[]))
+          ORDER BY created_at, id
+          LIMIT 1
+          FOR UPDATE SKIP LOCKED) AS p
+), taken AS (
+    DELETE FROM pending_jobs WHERE id = (SELECT id FROM candidate WHERE locked)
+    RETURNING id, {IDENTITY_COLUMNS}, required_labels, payload, created_at
+), leased AS (
+    INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id, provisioner_id,
+        provider_runner_id, required_labels, runner_labels, payload, queued_at)
+    SELECT id, {IDENTITY_COLUMNS}, $4, $5, $6, required_labels, $2::text[], payload, created_at
+    FROM taken
+    ON CONFLICT (job_execution_id) DO NOTHING
+    RETURNING {IDENTITY_COLUMNS}, required_labels, payload, queued_at, started_at
+), logged AS (
+    INSERT INTO events (event_type, workspace_id, job_execution_id, payload)
+    SELECT '{EventType.CLAIMED}', workspace_id, job_execution_id,
+           jsonb_build_object('workflow_run_id', workflow_run_id,
+                              'workflow_run_attempt_id', workflow_run_attempt_id,
+                              'job_id', job_id, 'job_execution_id', job_execution_id,
+                              'runner_session_id', $4::uuid, 'claimed_at', started_at)
+    FROM leased
+    RETURNING pg_notify('{events.EVENTS_CHANNEL}', '')
+), touched AS (
+    UPDATE runner_sessions
+    SET updated_at = now(),
+        claims_used = claims_used + CASE WHEN $8 THEN (SELECT count(*) FROM leased)::int ELSE 0 END
+    WHERE id = $4 AND workspace_id = $1
+      AND (updated_at < now() - $7::interval OR ($8 AND EXISTS (SELECT 1 FROM leased)))
+    RETURNING 1
+)
+SELECT c.id AS candidate, c.locked, (SELECT count(*) FROM logged) AS logged,
+       (SELECT count(*) FROM touched) AS touched, l.workspace_id, l.workflow_run_id,
+       l.workflow_run_attempt_id, l.job_id, l.job_execution_id, l.project_id, l.required_labels,
+       l.payload::text AS payload, l.queued_at, l.started_at
+FROM (SELECT 1) AS one LEFT JOIN candidate c ON true LEFT JOIN leased l ON true
+"""
+
+
+async def _claim_attempts(
+    conn: Conn,
+    session: SessionClaims,
+    liveness_throttle: timedelta,
+    provisioner_id: UUID | None,
+    provider_runner_id: str | None,
+) -> ClaimedJob | None:
+    stepped_over: list[UUID] = []
+    while len(stepped_over) <= MAX_BUSY_HEADS:
+        row = await conn.fetchrow(
+            _CLAIM,
+            session.workspace_id,
+            list(session.labels),
+            stepped_over,
+            session.runner_session_id,
+            provisioner_id,
+            provider_runner_id,
+            liveness_throttle,
+            session.max_claims is not None,
+        )
+        assert row is not None
+        if row["candidate"] is None:
+            return None
+        if row["job_execution_id"] is None:
+            # Busy (its execution lock is held) or an orphan (deleted just now): step over it.
+            stepped_over.append(row["candidate"])
+            continue
+        return ClaimedJob(
+            identity=identity(row),
+            required_labels=tuple(row["required_labels"]),
+            payload=json_value(row["payload"]),
+            queued_at=row["queued_at"],
+            started_at=row["started_at"],
+        )
     return None
 
 

@@ -157,12 +157,24 @@ async def table_locked(url: str, table: str, mode: str) -> AsyncIterator[asyncpg
         await conn.close()
 
 
-def events_table_locked(url: str) -> AbstractAsyncContextManager[asyncpg.Connection]:
-    """Hold EXCLUSIVE on `events`: a claim that reaches its event insert stops there.
-
-    It then holds everything it took before: session row, pending row, execution lock, lease.
+@asynccontextmanager
+async def session_row_locked(url: str, session_id: UUID) -> AsyncIterator[asyncpg.Connection]:
+    """Hold a session row FOR UPDATE: a claim by that session stops at its lease insert (the
+    foreign key needs a KEY SHARE lock on the row), holding its pending row and execution lock.
     """
-    return table_locked(url, "events", "EXCLUSIVE")
+    conn = await asyncpg.connect(url)
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT 1 FROM runner_sessions WHERE id = $1 FOR UPDATE", session_id)
+            yield conn
+    finally:
+        await conn.close()
+
+
+def running_table_locked(url: str) -> AbstractAsyncContextManager[asyncpg.Connection]:
+    """Hold SHARE on `running_jobs`: a capped claim stops before its claim statement, holding
+    the session row it locked first (the claim statement inserts into running_jobs)."""
+    return table_locked(url, "running_jobs", "SHARE")
 
 
 # --- matching and FIFO ------------------------------------------------------------------------
@@ -463,9 +475,12 @@ async def test_j26_concurrent_claims_of_one_row_yield_exactly_one_job(
 
         # The table lock is released on leaving the block, before the task group waits.
         with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg, events_table_locked(database_url):
+            async with (
+                anyio.create_task_group() as tg,
+                session_row_locked(database_url, first.runner_session_id),
+            ):
                 tg.start_soon(first_claim)
-                # The first claim now holds the pending row and waits at its event insert.
+                # The first claim now holds the pending row and waits at its lease insert.
                 await wait_until_blocked(observer, first_conn.get_server_pid())
                 results.append(await queue.claim(second_conn, second))
 
@@ -716,9 +731,9 @@ async def test_j43_concurrent_claims_by_one_capped_session_claim_once(
         first_pid = first_conn.get_server_pid()
         second_pid = second_conn.get_server_pid()
         with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg, events_table_locked(database_url):
+            async with anyio.create_task_group() as tg, running_table_locked(database_url):
                 tg.start_soon(claim, first_conn)
-                # The first claim holds the session row and waits at its event insert...
+                # The first claim holds the session row and waits at its claim statement...
                 await wait_until_blocked(observer, first_pid)
                 tg.start_soon(claim, second_conn)
                 # ...and the second waits for that session row, not for our table lock.
