@@ -16,6 +16,7 @@ from datetime import timedelta
 import anyio
 import asyncpg
 
+from controlplane import metrics
 from controlplane.domain.jobs import EndedLease, StaleRule
 from controlplane.store import leases, locks, sessions
 from controlplane.store.pool import PoolSettings, connect
@@ -104,6 +105,7 @@ class Maintenance:
             async with self._pool.acquire() as conn:
                 expired = await leases.reap(conn, self._rule, limit=self._reaper_limit)
             if expired:
+                metrics.leases_expired.inc(len(expired))
                 log.info("maintenance.leases_expired", extra={"count": len(expired)})
                 self._on_expired(expired)
             total += len(expired)

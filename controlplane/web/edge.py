@@ -19,9 +19,10 @@ _encoder = msgspec.json.Encoder()
 def bearer(request: Request) -> str:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    # Exactly "Bearer <token>": anything else (extra spaces, other schemes) is no token.
+    if scheme.lower() != "bearer" or not token or token != token.strip() or " " in token:
         raise Unauthorized()
-    return token.strip()
+    return token
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from controlplane import metrics
 from controlplane.domain.jobs import JobIdentity, NewJob, Outcome
 from controlplane.domain.labels import canonicalise
 from controlplane.errors import InvalidInput, NotFound, PayloadTooLarge
@@ -70,6 +71,8 @@ async def enqueue(request: Request) -> Response:
     ]
     async with svc.pool.acquire() as conn:
         results = await queue.enqueue(conn, jobs)
+    for result in results:
+        metrics.enqueued.labels(result.value).inc()
     return json_response(
         wire.EnqueueResponse(
             results=[

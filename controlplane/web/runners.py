@@ -6,11 +6,13 @@ import logging
 import uuid
 from uuid import UUID
 
+import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from controlplane import metrics
 from controlplane.actors.dispatch import Waiter, WaiterState
 from controlplane.domain.jobs import ClaimedJob, Outcome, SessionClaims
 from controlplane.domain.labels import canonicalise, strip_reserved
@@ -108,6 +110,15 @@ def _nothing() -> Response:
 
 async def request_job(request: Request) -> Response:
     """Hold the request until a job is claimed for this runner, or `wait` seconds pass (204)."""
+    started = anyio.current_time()
+    response = await _request_job(request)
+    outcome = "claimed" if response.status_code == 200 else "empty"
+    metrics.claims.labels(outcome).inc()
+    metrics.dispatch_latency.labels(outcome).observe(anyio.current_time() - started)
+    return response
+
+
+async def _request_job(request: Request) -> Response:
     svc = auth.services(request)
     session = await auth.runner_session(request)
     limit = svc.settings.runners.long_poll_max_seconds
@@ -128,9 +139,11 @@ async def request_job(request: Request) -> Response:
         return _nothing()
     job = waiter.job
     assert job is not None
-    if disconnected:
+    # A disconnect in the same step as the delivery is not seen by hold(); look once more.
+    if disconnected or await request.is_disconnected():
         async with svc.pool.acquire() as conn:
             await queue.put_back(conn, job.identity.job_execution_id, session.runner_session_id)
+        metrics.put_backs.inc()
         log.info(
             "dispatch.put_back",
             extra={"job_execution_id": str(job.identity.job_execution_id), "why": "disconnected"},
@@ -187,6 +200,7 @@ async def complete(request: Request) -> Response:
         ended = await leases.complete(
             conn, lease.identity.job_execution_id, lease.runner_session_id, Outcome(body.outcome)
         )
+    metrics.completed.labels(body.outcome).inc()
     log.info(
         "runner.completed",
         extra={
