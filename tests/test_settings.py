@@ -39,7 +39,7 @@ def test_environment_overrides_file_and_database_url_alias() -> None:
 
 
 @pytest.mark.parametrize(("section", "knob"), _knobs())
-def test_every_numeric_knob_refuses_an_invalid_value_naming_it(section: str, knob: str) -> None:
+def test_s94_every_numeric_knob_refuses_an_invalid_value_naming_it(section: str, knob: str) -> None:
     default = getattr(getattr(settings.Settings(), section), knob)
     if isinstance(default, str):
         bad = {"reserved_labels": "has space"}.get(knob)
@@ -61,7 +61,7 @@ def test_cross_knob_rules() -> None:
         settings.load(environ={"CONTROLPLANE_RUNNERS_HEARTBEAT_INTERVAL_SECONDS": "100"})
 
 
-def test_j133_grace_values() -> None:
+def test_j133_s97_grace_values() -> None:
     for bad in ["0", "-5", "1.5", "180"]:
         with pytest.raises(ConfigError, match="no_first_heartbeat_grace_seconds"):
             settings.load(environ={"CONTROLPLANE_RUNNERS_NO_FIRST_HEARTBEAT_GRACE_SECONDS": bad})

@@ -29,7 +29,7 @@ def test_j115_grammar_bounds() -> None:
             labels.validate(bad)
 
 
-def test_j134_reserved_labels_parse_and_refuse_bad_entries() -> None:
+def test_j134_s99_reserved_labels_parse_and_refuse_bad_entries() -> None:
     assert labels.parse_reserved(" ShipFox-Managed, Linux,shipfox-managed ") == (
         "linux",
         "shipfox-managed",

@@ -11,7 +11,7 @@ KEY = tokens.SigningKey("0123456789abcdef", b"k" * 32)
 OTHER = tokens.SigningKey("fedcba9876543210", b"o" * 32)
 
 
-def test_opaque_tokens_are_typed_random_and_stored_hashed() -> None:
+def test_s15_opaque_tokens_are_typed_random_and_stored_hashed() -> None:
     first = tokens.new_opaque(tokens.Kind.MANUAL_REGISTRATION)
     second = tokens.new_opaque(tokens.Kind.MANUAL_REGISTRATION)
     assert first.raw != second.raw

@@ -27,7 +27,7 @@ async def test_every_declared_metric_is_exposed_and_parses(api: Api) -> None:
     assert all(name.startswith("controlplane_") for name in _declared())
 
 
-async def test_counters_move_with_their_events(api: Api) -> None:
+async def test_s101_counters_move_with_their_events(api: Api) -> None:
     before = await _scrape(api)
     session = await api.register()
     job = api.job()

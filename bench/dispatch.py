@@ -1,0 +1,175 @@
+"""Dispatch latency: enqueue to runner-has-job, with runners parked across two replicas.
+
+For N parked runners (half on each replica), jobs are enqueued one at a time with the store's
+enqueue transaction on a direct connection; the clock starts just before that transaction and
+stops when a runner's long-poll response has arrived in this process. The baseline, measured in
+the same run on the same server: a raw INSERT + NOTIFY transaction to a LISTEN callback, the
+floor any PostgreSQL-woken dispatcher sits on.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+import asyncpg
+import httpx
+
+from bench import harness
+from controlplane.domain.jobs import JobIdentity, NewJob
+from controlplane.store import credentials, queue
+
+SAMPLES = 200
+SIZES = (10, 100, 1000)
+
+
+async def baseline(url: str, samples: int) -> list[float]:
+    listener = await asyncpg.connect(url)
+    sender = await asyncpg.connect(url)
+    latencies: list[float] = []
+    waiting: list[tuple[anyio.Event, list[float]]] = []
+
+    def arrived(*_args: object) -> None:
+        event, stamp = waiting[-1]
+        stamp.append(time.perf_counter())
+        event.set()
+
+    try:
+        await sender.execute("CREATE TABLE IF NOT EXISTS bench_notify (id bigserial, v uuid)")
+        await listener.add_listener("bench_notify", arrived)
+        for _ in range(samples):
+            event, stamp = anyio.Event(), list[float]()
+            waiting.append((event, stamp))
+            start = time.perf_counter()
+            async with sender.transaction():
+                await sender.execute("INSERT INTO bench_notify (v) VALUES ($1)", uuid.uuid4())
+                await sender.execute("SELECT pg_notify('bench_notify', 'x')")
+            with anyio.fail_after(10):
+                await event.wait()
+            latencies.append(stamp[0] - start)
+    finally:
+        await listener.close()
+        await sender.close()
+    return latencies
+
+
+def _job(workspace: uuid.UUID) -> NewJob:
+    return NewJob(
+        identity=JobIdentity(
+            workspace_id=workspace,
+            workflow_run_id=uuid.uuid4(),
+            workflow_run_attempt_id=uuid.uuid4(),
+            job_id=uuid.uuid4(),
+            job_execution_id=uuid.uuid4(),
+            project_id=uuid.uuid4(),
+        ),
+        required_labels=("linux",),
+        queued_at=datetime.now(UTC),
+    )
+
+
+async def _parked(clients: list[httpx.AsyncClient]) -> int:
+    total = 0
+    for client in clients:
+        for line in (await client.get("/metrics")).text.splitlines():
+            if line.startswith("controlplane_parked_runners "):
+                total += int(float(line.split()[1]))
+    return total
+
+
+async def measure(url: str, addresses: list[str], runners: int, samples: int) -> list[float]:
+    workspace = uuid.uuid4()
+    conn = await asyncpg.connect(url)
+    _, registration = await credentials.create_manual_token(
+        conn, workspace_id=workspace, name="bench"
+    )
+    limits = httpx.Limits(max_connections=runners + 50, max_keepalive_connections=runners + 50)
+    clients = [
+        httpx.AsyncClient(base_url=address, timeout=120, limits=limits) for address in addresses
+    ]
+    arrivals: dict[uuid.UUID, tuple[anyio.Event, list[float]]] = {}
+    latencies: list[float] = []
+
+    async def runner(client: httpx.AsyncClient) -> None:
+        response = await client.post(
+            "/v1/runners/register",
+            json={"labels": ["linux"]},
+            headers={"Authorization": f"Bearer {registration}"},
+        )
+        auth = {"Authorization": f"Bearer {response.json()['session_token']}"}
+        while True:
+            response = await client.post("/v1/runners/jobs/request?wait=50", headers=auth)
+            if response.status_code != 200:
+                continue
+            now = time.perf_counter()
+            body = response.json()
+            event, stamp = arrivals[uuid.UUID(body["job_execution_id"])]
+            stamp.append(now)
+            event.set()
+            await client.post(
+                f"/v1/runners/jobs/{body['job_execution_id']}/complete",
+                json={"outcome": "succeeded"},
+                headers={"Authorization": f"Bearer {body['lease_token']}"},
+            )
+
+    try:
+        async with anyio.create_task_group() as group:
+            for index in range(runners):
+                group.start_soon(runner, clients[index % len(clients)])
+            with anyio.fail_after(120):
+                while await _parked(clients) < runners:
+                    await anyio.sleep(0.2)
+            for _ in range(samples):
+                job = _job(workspace)
+                event, stamp = anyio.Event(), list[float]()
+                arrivals[job.identity.job_execution_id] = (event, stamp)
+                start = time.perf_counter()
+                await queue.enqueue(conn, [job])
+                with anyio.fail_after(30):
+                    await event.wait()
+                latencies.append(stamp[0] - start)
+                # Let the runner complete and park again before the next job.
+                with anyio.fail_after(30):
+                    while await _parked(clients) < runners:
+                        await anyio.sleep(0.005)
+            group.cancel_scope.cancel()
+    finally:
+        for client in clients:
+            await client.aclose()
+        await conn.close()
+    return latencies
+
+
+async def run(samples: int = SAMPLES, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
+    results: dict[str, Any] = {"samples_per_size": samples, "sizes": {}}
+    with harness.postgres() as server:
+        url = await harness.fresh_database(server)
+        base = harness.summary_ms(await baseline(url, samples))
+        results["baseline_insert_notify_listen"] = base
+        print(f"baseline INSERT+NOTIFY->LISTEN: p50 {base['p50_ms']} ms, p99 {base['p99_ms']} ms")
+        async with harness.replicas(url, 2) as started:
+            addresses = [replica.address for replica in started]
+            for size in sizes:
+                ours = harness.summary_ms(await measure(url, addresses, size, samples))
+                ours["p50_ratio_to_baseline"] = round(ours["p50_ms"] / base["p50_ms"], 2)
+                ours["p99_ratio_to_baseline"] = round(ours["p99_ms"] / base["p99_ms"], 2)
+                results["sizes"][str(size)] = ours
+                print(
+                    f"{size:>5} parked runners: p50 {ours['p50_ms']} ms "
+                    f"({ours['p50_ratio_to_baseline']}x baseline), p99 {ours['p99_ms']} ms "
+                    f"({ours['p99_ratio_to_baseline']}x baseline)"
+                )
+    path = harness.write_result("dispatch", results)
+    print(f"wrote {path}")
+    return results
+
+
+def main() -> None:
+    anyio.run(run)
+
+
+if __name__ == "__main__":
+    main()

