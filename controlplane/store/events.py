@@ -57,18 +57,35 @@ async def write(
     ]
     if not rows:
         return
-    # Wakes event-feed long-polls on every replica, at commit; PostgreSQL folds repeats.
-    await conn.execute("SELECT pg_notify($1, '')", EVENTS_CHANNEL)
+    # The notify wakes event-feed long-polls on every replica at commit; repeats are folded.
     await conn.execute(
         """
         INSERT INTO events (event_type, workspace_id, job_execution_id, payload)
         SELECT kind, ws, ex, body::jsonb
-        FROM unnest($1::text[], $2::uuid[], $3::uuid[], $4::text[]) AS t(kind, ws, ex, body)
+        FROM unnest($1::text[], $2::uuid[], $3::uuid[], $4::text[]) AS t(kind, ws, ex, body),
+             (SELECT pg_notify($5, '')) AS wake
         """,
         [row[0] for row in rows],
         [row[1] for row in rows],
         [row[2] for row in rows],
         [row[3] for row in rows],
+        EVENTS_CHANNEL,
+    )
+
+
+async def write_unknown(
+    conn: Conn, kind: EventType, job_execution_id: UUID, payload: dict[str, Any]
+) -> None:
+    """An event about an execution we know only by id (no workspace, no run)."""
+    await conn.execute(
+        """
+        INSERT INTO events (event_type, job_execution_id, payload)
+        SELECT $1, $2, $3::jsonb FROM (SELECT pg_notify($4, '')) AS wake
+        """,
+        str(kind),
+        job_execution_id,
+        json_text({"job_execution_id": str(job_execution_id), **payload}),
+        EVENTS_CHANNEL,
     )
 
 

@@ -194,8 +194,8 @@ async def reconcile(
     A pending row is deleted; a running lease is asked to stop (the first request time is kept)
     and stays until its runner completes or the reaper takes it. Either way a tombstone is
     written, also for an execution we have never seen, so an enqueue replay arriving late can
-    never bring it back. The `job.cancelled` event is written once, and only for an execution we
-    had.
+    never bring it back. The `job.cancelled` event is written once per execution, also for one
+    we never had (then without workspace and run ids).
 
     Locks: execution lock (blocking) -> pending row (delete) -> running row (update) ->
     tombstone -> events. Same order as claim for the two rows; claim only try-locks the
@@ -237,6 +237,15 @@ async def reconcile(
                 str(status),
             )
             fresh = {job_execution_id} if inserted else set()
+            if inserted:
+                # Never seen here: the event carries only what we know, so the feed still holds
+                # exactly one terminal event for every tombstone.
+                await events.write_unknown(
+                    conn,
+                    EventType.CANCELLED,
+                    job_execution_id,
+                    {"outcome": str(status), "reason": reason, "was": "unknown"},
+                )
     return ReconcileResult(
         was_pending=pending is not None,
         was_running=running is not None,

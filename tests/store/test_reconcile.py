@@ -144,10 +144,11 @@ async def test_j56_second_reconcile_keeps_the_first_cancellation_time(
     assert await event_types(conn, execution) == ["job.claimed", "job.cancelled"]
 
 
-async def test_j57_reconciling_an_unknown_execution_leaves_a_tombstone_and_no_event(
+async def test_j57_reconciling_an_unknown_execution_leaves_a_tombstone_and_one_event(
     conn: Conn,
 ) -> None:
-    """Differs from the spec (a no-op): we write a tombstone so a late enqueue cannot revive it."""
+    """Differs from the spec (a no-op): a tombstone, so a late enqueue cannot revive it, and its
+    one terminal event, carrying only the execution id."""
     execution = uuid4()
 
     result = await leases.reconcile(conn, execution, Outcome.CANCELLED)
@@ -160,12 +161,20 @@ async def test_j57_reconciling_an_unknown_execution_leaves_a_tombstone_and_no_ev
         "orchestrator",
         None,
     )
-    assert await conn.fetchval("SELECT count(*) FROM events") == 0
+    rows = await conn.fetch("SELECT event_type, workspace_id, payload::text FROM events")
+    assert [(row["event_type"], row["workspace_id"]) for row in rows] == [("job.cancelled", None)]
+    assert json.loads(rows[0]["payload"]) == {
+        "job_execution_id": str(execution),
+        "outcome": "cancelled",
+        "reason": None,
+        "was": "unknown",
+    }
     assert await count(conn, "pending_jobs", execution) == 0
     assert await count(conn, "running_jobs", execution) == 0
 
     again = await leases.reconcile(conn, execution, Outcome.CANCELLED)
     assert again.newly_ended is False
+    assert await conn.fetchval("SELECT count(*) FROM events") == 1
 
 
 async def test_j58_reconcile_leaves_a_pending_sibling_of_the_same_job(
