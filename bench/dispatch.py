@@ -101,7 +101,10 @@ async def measure(url: str, addresses: list[str], runners: int, samples: int) ->
         )
         auth = {"Authorization": f"Bearer {response.json()['session_token']}"}
         while True:
-            response = await client.post("/v1/runners/jobs/request?wait=50", headers=auth)
+            try:
+                response = await client.post("/v1/runners/jobs/request?wait=50", headers=auth)
+            except httpx.TransportError:
+                continue  # a kept-alive connection the server closed: ask again, as runners do
             if response.status_code != 200:
                 continue
             now = time.perf_counter()

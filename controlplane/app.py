@@ -230,6 +230,7 @@ class Daemon:
                 access_log=False,
                 lifespan="off",
                 timeout_graceful_shutdown=int(settings.server.shutdown_grace_seconds),
+                timeout_keep_alive=settings.server.keep_alive_seconds,
             )
         )
         sock = _bind(settings.server.host, settings.server.port)

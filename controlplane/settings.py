@@ -37,6 +37,7 @@ class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: Annotated[int, msgspec.Meta(ge=0, le=65_535)] = 8080
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
     shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0, le=600)] = 10.0
+    keep_alive_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 75
 
 
 class Queue(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -1,0 +1,94 @@
+"""The `controlplane` command, run as a process against the test database."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+
+import anyio
+import asyncpg
+import pytest
+
+pytestmark = pytest.mark.system
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+async def run_cli(database_url: str, *args: str, **env: str) -> Ran:
+    with anyio.fail_after(120):
+        done = await anyio.run_process(
+            [sys.executable, "-m", "controlplane.cli", "--log-level", "warning", *args],
+            env={**os.environ, "DATABASE_URL": database_url, **env},
+            check=False,
+        )
+    return Ran(done.returncode, done.stdout.decode(), done.stderr.decode())
+
+
+def test_help_lists_every_command() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "controlplane.cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for command in ("serve", "migrate", "tokens"):
+        assert command in result.stdout
+
+
+async def test_migrate_twice_on_an_empty_database(empty_database_url: str) -> None:
+    first = await run_cli(empty_database_url, "migrate")
+    assert first.returncode == 0, first.stderr
+    assert "applied 0001_queue" in first.stdout
+    second = await run_cli(empty_database_url, "migrate")
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.strip() == "database is up to date"
+
+
+async def test_tokens_create_list_revoke(database_url: str) -> None:
+    workspace = str(uuid.uuid4())
+    created = await run_cli(
+        database_url, "tokens", "create", "registration", "--name", "pool", "--workspace", workspace
+    )
+    assert created.returncode == 0, created.stderr
+    body = json.loads(created.stdout)
+    assert body["token"].startswith("cp_mrt_")
+    conn = await asyncpg.connect(database_url)
+    try:
+        stored = await conn.fetchval("SELECT token_sha256 FROM manual_registration_tokens")
+        assert body["token"] not in stored
+    finally:
+        await conn.close()
+    listed = await run_cli(database_url, "tokens", "list", "registration")
+    assert listed.returncode == 0
+    assert body["token"] not in listed.stdout
+    assert json.loads(listed.stdout.splitlines()[0])["id"] == body["credential"]["id"]
+    revoked = await run_cli(
+        database_url, "tokens", "revoke", "registration", body["credential"]["id"]
+    )
+    assert revoked.returncode == 0
+    assert json.loads(revoked.stdout)["revoked_at"] is not None
+    key = await run_cli(database_url, "tokens", "create", "orchestrator", "--name", "ci")
+    assert json.loads(key.stdout)["token"].startswith("cp_oak_")
+
+
+async def test_bad_input_exits_2_with_a_message(database_url: str) -> None:
+    no_workspace = await run_cli(database_url, "tokens", "create", "registration", "--name", "x")
+    assert no_workspace.returncode == 2
+    assert "--workspace" in no_workspace.stderr
+    bad_ttl = await run_cli(
+        database_url, "tokens", "create", "orchestrator", "--name", "x", "--ttl", "0"
+    )
+    assert bad_ttl.returncode == 2
+    assert "ttl_seconds" in bad_ttl.stderr
+    bad_knob = await run_cli(database_url, "migrate", CONTROLPLANE_SERVER_PORT="-1")
+    assert bad_knob.returncode == 2
+    assert "server.port" in bad_knob.stderr
