@@ -30,7 +30,7 @@ from controlplane import metrics
 from controlplane.actors.cancels import CancelBoard
 from controlplane.actors.dispatch import Dispatcher
 from controlplane.actors.listener import Listener
-from controlplane.actors.maintenance import Leadership, Maintenance
+from controlplane.actors.maintenance import Leadership, Maintenance, Retention
 from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
 from controlplane.domain.labels import canonicalise
 from controlplane.settings import Settings
@@ -222,6 +222,12 @@ class Daemon:
             gc_limit=settings.maintenance.session_gc_batch_size,
             manual_retention=timedelta(days=runners.manual_session_retention_days),
             capped_retention=timedelta(days=runners.capped_session_retention_days),
+            retention=Retention(
+                events=timedelta(days=settings.maintenance.event_retention_days),
+                tombstones=timedelta(days=settings.maintenance.tombstone_retention_days),
+                batch=settings.maintenance.retention_batch_size,
+                interval=settings.maintenance.retention_interval_seconds,
+            ),
         )
         server = _Server(
             uvicorn.Config(

@@ -1,4 +1,4 @@
-"""Maintenance: the lease reaper and session garbage collection, led by one replica.
+"""Maintenance: the lease reaper, session garbage collection and retention, led by one replica.
 
 Every maintenance statement is safe when every replica runs it at once (the reaper try-locks each
 execution, GC skips locked rows), so leadership only avoids waste. The leader holds a session
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import anyio
@@ -18,7 +19,7 @@ import asyncpg
 
 from controlplane import metrics
 from controlplane.domain.jobs import EndedLease, StaleRule
-from controlplane.store import leases, locks, sessions
+from controlplane.store import leases, locks, retention, sessions
 from controlplane.store.pool import PoolSettings, connect
 
 log = logging.getLogger("controlplane.maintenance")
@@ -71,6 +72,14 @@ async def _every(seconds: float, leader: Leadership, work: Callable[[], Awaitabl
         await anyio.sleep(seconds)
 
 
+@dataclass(frozen=True)
+class Retention:
+    events: timedelta
+    tombstones: timedelta
+    batch: int
+    interval: float
+
+
 class Maintenance:
     def __init__(
         self,
@@ -84,6 +93,7 @@ class Maintenance:
         gc_limit: int,
         manual_retention: timedelta,
         capped_retention: timedelta,
+        retention: Retention | None = None,
         on_expired: Callable[[list[EndedLease]], None] = lambda _leases: None,
     ) -> None:
         self._pool = pool
@@ -96,6 +106,7 @@ class Maintenance:
         self._manual_retention = manual_retention
         self._capped_retention = capped_retention
         self._on_expired = on_expired
+        self._retention = retention
         self.expired_total = 0
 
     async def reap_once(self) -> int:
@@ -125,6 +136,31 @@ class Maintenance:
             log.info("maintenance.sessions_deleted", extra={"count": deleted})
         return deleted
 
+    async def prune_once(self) -> tuple[int, int]:
+        """Delete events and tombstones past their retention; return how many of each."""
+        plan = self._retention
+        if plan is None:
+            return (0, 0)
+        events_deleted = tombstones_deleted = 0
+        async with self._pool.acquire() as conn:
+            while (n := await retention.prune_events(conn, plan.events, plan.batch)) > 0:
+                events_deleted += n
+                if n < plan.batch:
+                    break
+            while (n := await retention.prune_tombstones(conn, plan.tombstones, plan.batch)) > 0:
+                tombstones_deleted += n
+                if n < plan.batch:
+                    break
+        if events_deleted or tombstones_deleted:
+            log.info(
+                "maintenance.pruned",
+                extra={"events": events_deleted, "tombstones": tombstones_deleted},
+            )
+        return (events_deleted, tombstones_deleted)
+
+    async def _prune(self) -> None:
+        await self.prune_once()
+
     async def _reap(self) -> None:
         await self.reap_once()
 
@@ -136,5 +172,7 @@ class Maintenance:
             async with anyio.create_task_group() as group:
                 group.start_soon(_every, self._reaper_interval, self._leader, self._reap)
                 group.start_soon(_every, self._gc_interval, self._leader, self._collect)
+                if self._retention is not None:
+                    group.start_soon(_every, self._retention.interval, self._leader, self._prune)
         finally:
             self._leader.step_down()

@@ -154,7 +154,11 @@ def _ended_lease(row: asyncpg.Record, fresh: set[UUID]) -> EndedLease:
 
 
 async def complete(
-    conn: Conn, job_execution_id: UUID, runner_session_id: UUID, outcome: Outcome
+    conn: Conn,
+    job_execution_id: UUID,
+    runner_session_id: UUID,
+    outcome: Outcome,
+    exit_code: int | None = None,
 ) -> EndedLease:
     """The runner finished: remove its lease at once and record the outcome.
 
@@ -180,9 +184,8 @@ async def complete(
         )
         if row is None:
             raise RunningJobExecutionNotFound()
-        fresh = await _end(
-            conn, [identity(row)], outcome, "runner", EventType.COMPLETED, {"ended_by": "runner"}
-        )
+        extra = {"ended_by": "runner", "exit_code": exit_code}
+        fresh = await _end(conn, [identity(row)], outcome, "runner", EventType.COMPLETED, extra)
     return _ended_lease(row, fresh)
 
 

@@ -198,7 +198,11 @@ async def complete(request: Request) -> Response:
     body = await read_json(request, CompleteRequest, svc.settings.server.max_body_bytes)
     async with svc.pool.acquire() as conn:
         ended = await leases.complete(
-            conn, lease.identity.job_execution_id, lease.runner_session_id, Outcome(body.outcome)
+            conn,
+            lease.identity.job_execution_id,
+            lease.runner_session_id,
+            Outcome(body.outcome),
+            body.exit_code,
         )
     metrics.completed.labels(body.outcome).inc()
     log.info(

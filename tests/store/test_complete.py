@@ -66,7 +66,9 @@ async def test_complete_removes_the_lease_and_records_the_outcome(
     job = await claimed_job(conn, session)
     execution = job.identity.job_execution_id
 
-    ended = await leases.complete(conn, execution, session.runner_session_id, Outcome.FAILED)
+    ended = await leases.complete(
+        conn, execution, session.runner_session_id, Outcome.FAILED, exit_code=3
+    )
 
     assert ended == EndedLease(
         identity=job.identity,
@@ -90,6 +92,7 @@ async def test_complete_removes_the_lease_and_records_the_outcome(
     )
     assert json.loads(payload)["outcome"] == "failed"
     assert json.loads(payload)["ended_by"] == "runner"
+    assert json.loads(payload)["exit_code"] == 3
 
 
 async def test_complete_by_another_session_is_not_found_and_changes_nothing(

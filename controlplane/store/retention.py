@@ -1,0 +1,50 @@
+"""Retention: old events and old tombstones are deleted in bounded batches.
+
+Neither takes an explicit lock. Deleting events never breaks a cursor (it only means a reader
+whose cursor is older than the retention misses what was pruned). A tombstone is kept while its
+execution still has a lease (a cancelled lease draining), and a pruned tombstone no longer stops
+a replayed enqueue, so `tombstone_retention_days` bounds how late a replay may arrive.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from controlplane.store.pool import Conn
+
+
+async def prune_events(conn: Conn, older_than: timedelta, limit: int) -> int:
+    deleted: int = await conn.fetchval(
+        """
+        WITH gone AS (
+            DELETE FROM events WHERE seq IN (
+                SELECT seq FROM events WHERE created_at < now() - $1::interval
+                ORDER BY seq LIMIT $2)
+            RETURNING 1
+        )
+        SELECT count(*) FROM gone
+        """,
+        older_than,
+        limit,
+    )
+    return deleted
+
+
+async def prune_tombstones(conn: Conn, older_than: timedelta, limit: int) -> int:
+    deleted: int = await conn.fetchval(
+        """
+        WITH gone AS (
+            DELETE FROM ended_executions WHERE job_execution_id IN (
+                SELECT e.job_execution_id FROM ended_executions e
+                WHERE e.ended_at < now() - $1::interval
+                  AND NOT EXISTS (SELECT 1 FROM running_jobs r
+                                  WHERE r.job_execution_id = e.job_execution_id)
+                ORDER BY e.ended_at LIMIT $2)
+            RETURNING 1
+        )
+        SELECT count(*) FROM gone
+        """,
+        older_than,
+        limit,
+    )
+    return deleted
