@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from uuid import UUID
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -13,7 +12,7 @@ from controlplane.errors import InvalidInput
 from controlplane.store import credentials, executions, queries
 from controlplane.store.credentials import Credential
 from controlplane.web import auth
-from controlplane.web.edge import json_response, read_json
+from controlplane.web.edge import json_response, path_uuid, query_uuid, read_json
 from controlplane.wire import admin as wire
 
 
@@ -28,13 +27,6 @@ def _out(credential: Credential) -> wire.CredentialOut:
         expires_at=credential.expires_at,
         revoked_at=credential.revoked_at,
     )
-
-
-def _uuid(value: str, field: str) -> UUID:
-    try:
-        return UUID(value)
-    except ValueError as error:
-        raise InvalidInput(f"{field} must be a UUID", field=field) from error
 
 
 def _ttl(seconds: int | None) -> timedelta | None:
@@ -69,7 +61,7 @@ async def list_api_keys(request: Request) -> Response:
 async def revoke_api_key(request: Request) -> Response:
     svc = auth.services(request)
     await auth.api_key(request, "admin")
-    key_id = _uuid(request.path_params["id"], "id")
+    key_id = path_uuid(request, "id")
     async with svc.pool.acquire() as conn:
         revoked = await credentials.revoke_api_key(conn, key_id)
     return json_response(_out(revoked))
@@ -91,8 +83,7 @@ async def create_registration_token(request: Request) -> Response:
 async def list_registration_tokens(request: Request) -> Response:
     svc = auth.services(request)
     await auth.api_key(request, "admin")
-    raw = request.query_params.get("workspace_id")
-    workspace = None if raw is None else _uuid(raw, "workspace_id")
+    workspace = query_uuid(request, "workspace_id")
     async with svc.pool.acquire() as conn:
         found = await credentials.list_manual_tokens(conn, workspace)
     return json_response(wire.CredentialList(items=[_out(item) for item in found]))
@@ -101,7 +92,7 @@ async def list_registration_tokens(request: Request) -> Response:
 async def revoke_registration_token(request: Request) -> Response:
     svc = auth.services(request)
     await auth.api_key(request, "admin")
-    token_id = _uuid(request.path_params["id"], "id")
+    token_id = path_uuid(request, "id")
     async with svc.pool.acquire() as conn:
         revoked = await credentials.revoke_manual_token(conn, token_id)
     return json_response(_out(revoked))

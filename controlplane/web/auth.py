@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 from uuid import UUID
 
 from starlette.requests import Request
@@ -80,20 +81,25 @@ def mint_session(svc: Services, session: SessionClaims, now: datetime) -> str:
     return tokens.sign(tokens.Kind.RUNNER_SESSION, claims, svc.keys.current, now + ttl)
 
 
-async def runner_session(request: Request) -> SessionClaims:
+async def _verified(request: Request, kind: tokens.Kind) -> dict[str, Any]:
     svc = services(request)
     token = bearer(request)
     try:
-        claims = tokens.verify(
-            token, tokens.Kind.RUNNER_SESSION, await svc.keys.keys_for(token), svc.clock()
-        )
+        return tokens.verify(token, kind, await svc.keys.keys_for(token), svc.clock())
+    except tokens.TokenError as error:
+        raise Unauthorized() from error
+
+
+async def runner_session(request: Request) -> SessionClaims:
+    claims = await _verified(request, tokens.Kind.RUNNER_SESSION)
+    try:
         return SessionClaims(
             runner_session_id=UUID(claims["sid"]),
             workspace_id=UUID(claims["ws"]),
             labels=tuple(claims["labels"]),
             max_claims=claims["max"],
         )
-    except (tokens.TokenError, KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError) as error:  # signed by us, yet malformed
         raise Unauthorized() from error
 
 
@@ -119,12 +125,8 @@ def mint_lease(svc: Services, lease: Lease, now: datetime) -> str:
 
 
 async def job_lease(request: Request) -> Lease:
-    svc = services(request)
-    token = bearer(request)
+    claims = await _verified(request, tokens.Kind.JOB_LEASE)
     try:
-        claims = tokens.verify(
-            token, tokens.Kind.JOB_LEASE, await svc.keys.keys_for(token), svc.clock()
-        )
         return Lease(
             identity=JobIdentity(
                 workspace_id=UUID(claims["ws"]),
@@ -136,5 +138,5 @@ async def job_lease(request: Request) -> Lease:
             ),
             runner_session_id=UUID(claims["sid"]),
         )
-    except (tokens.TokenError, KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError) as error:  # signed by us, yet malformed
         raise Unauthorized() from error

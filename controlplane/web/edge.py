@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any, TypeVar
+from uuid import UUID
 
 import anyio
 import msgspec
@@ -53,6 +54,23 @@ async def read_json(request: Request, kind: type[T], limit: int, *, optional: bo
     if optional and body.strip() in (b"", b"null"):
         return decode(b"{}", kind)
     return decode(body, kind)
+
+
+def path_uuid(request: Request, name: str) -> UUID:
+    try:
+        return UUID(request.path_params[name])
+    except ValueError as error:
+        raise InvalidInput(f"{name} must be a UUID", field=name) from error
+
+
+def query_uuid(request: Request, name: str) -> UUID | None:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    try:
+        return UUID(raw)
+    except ValueError as error:
+        raise InvalidInput(f"query {name} must be a UUID", field=name) from error
 
 
 def query_number(request: Request, name: str, *, low: float, high: float, default: float) -> float:

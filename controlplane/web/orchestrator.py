@@ -17,18 +17,18 @@ from controlplane.errors import InvalidInput, NotFound, PayloadTooLarge
 from controlplane.store import events, executions, leases, queue
 from controlplane.store.credentials import Credential
 from controlplane.web import auth
-from controlplane.web.edge import json_response, query_integer, query_number, read_json
+from controlplane.web.edge import (
+    json_response,
+    path_uuid,
+    query_integer,
+    query_number,
+    query_uuid,
+    read_json,
+)
 from controlplane.web.services import Services
 from controlplane.wire import orchestrator as wire
 
 _EVENT_RECHECK_SECONDS = 0.25
-
-
-def _execution_id(request: Request) -> UUID:
-    try:
-        return UUID(request.path_params["job_execution_id"])
-    except ValueError as error:
-        raise InvalidInput("job_execution_id must be a UUID", field="job_execution_id") from error
 
 
 def _new_job(job: wire.EnqueueJob, max_payload: int, index: int) -> NewJob:
@@ -108,7 +108,7 @@ async def report_outcome(request: Request) -> Response:
     (a tombstone then stops a late enqueue from resurrecting it)."""
     svc = auth.services(request)
     key = await auth.api_key(request, "orchestrator")
-    execution = _execution_id(request)
+    execution = path_uuid(request, "job_execution_id")
     body = await read_json(request, wire.OutcomeRequest, svc.settings.server.max_body_bytes)
     if await _visible_state(svc, key, execution) is None:
         raise NotFound("no such job execution", job_execution_id=str(execution))
@@ -126,7 +126,7 @@ async def report_outcome(request: Request) -> Response:
 async def execution_state(request: Request) -> Response:
     svc = auth.services(request)
     key = await auth.api_key(request, "orchestrator")
-    execution = _execution_id(request)
+    execution = path_uuid(request, "job_execution_id")
     found = await _visible_state(svc, key, execution)
     if found is None or found.state == "unknown":
         raise NotFound("no such job execution", job_execution_id=str(execution))
@@ -151,12 +151,10 @@ async def read_events(request: Request) -> Response:
         after = events.parse_cursor(request.query_params.get("after"))
     except ValueError as error:
         raise InvalidInput(str(error), field="after", code="invalid-cursor") from error
-    workspace: UUID | None = key.workspace_id
-    if "workspace_id" in request.query_params:
-        try:
-            workspace = UUID(request.query_params["workspace_id"])
-        except ValueError as error:
-            raise InvalidInput("workspace_id must be a UUID", field="workspace_id") from error
+    workspace = query_uuid(request, "workspace_id")
+    if workspace is None:
+        workspace = key.workspace_id
+    else:
         auth.require_workspace(key, workspace)
     limit = query_integer(request, "limit", low=1, high=1000, default=100)
     wait = query_number(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from uuid import UUID
 
 import anyio
 import msgspec
@@ -24,7 +23,7 @@ from controlplane.errors import (
 )
 from controlplane.store import executions, leases, queue, sessions
 from controlplane.web import auth
-from controlplane.web.edge import hold, json_response, query_number, read_json
+from controlplane.web.edge import hold, json_response, path_uuid, query_number, read_json
 from controlplane.web.services import Services
 from controlplane.wire.common import Capabilities
 from controlplane.wire.runners import (
@@ -43,13 +42,6 @@ log = logging.getLogger("controlplane.runners")
 def _check_capabilities(capabilities: Capabilities | None) -> None:
     if capabilities is not None and (duplicates := capabilities.duplicate_tools()):
         raise InvalidInput("capabilities list a tool twice", duplicates=duplicates)
-
-
-def _execution_id(request: Request) -> UUID:
-    try:
-        return UUID(request.path_params["job_execution_id"])
-    except ValueError as error:
-        raise InvalidInput("job_execution_id must be a UUID", field="job_execution_id") from error
 
 
 async def register(request: Request) -> Response:
@@ -154,7 +146,7 @@ async def _request_job(request: Request) -> Response:
 
 async def _lease_for(request: Request) -> auth.Lease:
     lease = await auth.job_lease(request)
-    if _execution_id(request) != lease.identity.job_execution_id:
+    if path_uuid(request, "job_execution_id") != lease.identity.job_execution_id:
         raise LeaseJobMismatch()
     return lease
 
