@@ -6,9 +6,9 @@ import sys
 
 import anyio
 
-from bench import dispatch, report
+from bench import dispatch, report, throughput
 
-BENCHES = {"dispatch": dispatch.run}
+BENCHES = {"dispatch": dispatch.run, "throughput": throughput.run}
 
 
 def main(argv: list[str]) -> int:

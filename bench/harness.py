@@ -29,6 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 
+def pg_bin_dir() -> Path:
+    from controlplane.store.embedded import _bin_dir
+
+    return _bin_dir()
+
+
 def machine() -> dict[str, Any]:
     cpu = "unknown"
     with contextlib.suppress(OSError):

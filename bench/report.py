@@ -40,7 +40,26 @@ def _dispatch(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-RENDERERS = {"dispatch": _dispatch}
+def _throughput(result: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Throughput (whole lifecycle: claim, one heartbeat, complete)",
+        "",
+        f"Machine: {_machine(result)}. {result['jobs_per_run']} jobs per run, pre-enqueued; "
+        "HTTP through two replicas; SQL on direct connections with the store's statements. "
+        f"Same-server pgbench TPC-B: {result['pgbench_tpcb_tps']} tps.",
+        "",
+        "| runners | HTTP jobs/s | SQL jobs/s (baseline) | HTTP / SQL |",
+        "|---:|---:|---:|---:|",
+    ]
+    for count, row in result["runs"].items():
+        lines.append(
+            f"| {count} | {row['http_jobs_per_s']} | {row['sql_jobs_per_s']} | "
+            f"{row['http_to_sql']} |"
+        )
+    return [*lines, ""]
+
+
+RENDERERS = {"dispatch": _dispatch, "throughput": _throughput}
 
 
 def main() -> None:

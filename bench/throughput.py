@@ -1,0 +1,184 @@
+"""Throughput: the whole job lifecycle, through HTTP and as plain SQL, on one PostgreSQL.
+
+A run pre-enqueues `jobs` executions, then lets `runners` concurrent workers take them until
+none is left; jobs/s is jobs divided by the time from the first request to the last completion.
+
+* http: real runners over real HTTP against two daemon processes: long-poll claim, one heartbeat,
+  complete (three requests per job);
+* sql: the same three steps as the store's own statements on direct asyncpg connections, with no
+  HTTP, daemon or token work in between: the floor of what the database allows with our schema;
+* pgbench: TPC-B (`pgbench -c 10 -j 2 -T 10`) on the same server, for the machine's scale.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import asyncpg
+import httpx
+
+from bench import harness
+from controlplane.domain.jobs import JobIdentity, NewJob, Outcome, SessionClaims
+from controlplane.store import credentials, leases, queue, sessions
+
+RUNNER_COUNTS = (10, 50, 200)
+JOBS = 3000
+
+
+def _jobs(workspace: uuid.UUID, count: int) -> list[NewJob]:
+    now = datetime.now(UTC)
+    return [
+        NewJob(
+            identity=JobIdentity(
+                workspace_id=workspace,
+                workflow_run_id=uuid.uuid4(),
+                workflow_run_attempt_id=uuid.uuid4(),
+                job_id=uuid.uuid4(),
+                job_execution_id=uuid.uuid4(),
+                project_id=uuid.uuid4(),
+            ),
+            required_labels=("linux",),
+            queued_at=now,
+        )
+        for _ in range(count)
+    ]
+
+
+async def _fill(url: str, workspace: uuid.UUID, count: int) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        jobs = _jobs(workspace, count)
+        for start in range(0, count, 500):
+            await queue.enqueue(conn, jobs[start : start + 500])
+    finally:
+        await conn.close()
+
+
+async def sql_lifecycle(url: str, runners: int, jobs: int) -> float:
+    workspace = uuid.uuid4()
+    await _fill(url, workspace, jobs)
+    pool = await asyncpg.create_pool(url, min_size=runners, max_size=runners)
+    assert pool is not None
+    done = 0
+
+    async def worker() -> None:
+        nonlocal done
+        async with pool.acquire() as conn:
+            made = await sessions.create(
+                conn,
+                workspace_id=workspace,
+                registration_token_id=uuid.uuid4(),
+                kind="manual",
+                labels=("linux",),
+            )
+            session = SessionClaims(made.id, workspace, ("linux",), None)
+            while (job := await queue.claim(conn, session)) is not None:
+                execution = job.identity.job_execution_id
+                await leases.heartbeat(conn, execution, session.runner_session_id)
+                await leases.complete(conn, execution, session.runner_session_id, Outcome.SUCCEEDED)
+                done += 1
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        for _ in range(runners):
+            group.start_soon(worker)
+    elapsed = time.perf_counter() - start
+    await pool.close()
+    assert done == jobs, (done, jobs)
+    return jobs / elapsed
+
+
+async def http_lifecycle(url: str, addresses: list[str], runners: int, jobs: int) -> float:
+    workspace = uuid.uuid4()
+    conn = await asyncpg.connect(url)
+    _, registration = await credentials.create_manual_token(conn, workspace_id=workspace, name="b")
+    await conn.close()
+    await _fill(url, workspace, jobs)
+    limits = httpx.Limits(max_connections=runners + 10, max_keepalive_connections=runners + 10)
+    clients = [httpx.AsyncClient(base_url=a, timeout=60, limits=limits) for a in addresses]
+    done = 0
+    finished = anyio.Event()
+
+    async def runner(client: httpx.AsyncClient) -> None:
+        nonlocal done
+        response = await client.post(
+            "/v1/runners/register",
+            json={"labels": ["linux"]},
+            headers={"Authorization": f"Bearer {registration}"},
+        )
+        auth = {"Authorization": f"Bearer {response.json()['session_token']}"}
+        while not finished.is_set():
+            try:
+                response = await client.post("/v1/runners/jobs/request?wait=1", headers=auth)
+            except httpx.TransportError:
+                continue
+            if response.status_code != 200:
+                continue
+            body = response.json()
+            lease = {"Authorization": f"Bearer {body['lease_token']}"}
+            path = f"/v1/runners/jobs/{body['job_execution_id']}"
+            beat = await client.post(f"{path}/heartbeat", headers=lease)
+            lease = {"Authorization": f"Bearer {beat.json()['lease_token']}"}
+            await client.post(f"{path}/complete", json={"outcome": "succeeded"}, headers=lease)
+            done += 1
+            if done >= jobs:
+                finished.set()
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        for index in range(runners):
+            group.start_soon(runner, clients[index % len(clients)])
+        await finished.wait()
+        elapsed = time.perf_counter() - start
+        group.cancel_scope.cancel()
+    for client in clients:
+        await client.aclose()
+    return jobs / elapsed
+
+
+async def pgbench_tps(server_url: str) -> float | None:
+    binary = Path(harness.pg_bin_dir()) / "pgbench"
+    target = ["-h", "127.0.0.1", "-p", server_url.rsplit(":", 1)[1].split("/")[0], "-U", "postgres"]
+    init = await anyio.run_process([str(binary), "-i", "-s", "10", "-q", *target, "postgres"])
+    if init.returncode != 0:
+        return None
+    run = await anyio.run_process(
+        [str(binary), "-c", "10", "-j", "2", "-T", "10", *target, "postgres"], check=False
+    )
+    found = re.search(r"tps = ([0-9.]+)", run.stdout.decode())
+    return float(found.group(1)) if found else None
+
+
+async def run(jobs: int = JOBS, runner_counts: tuple[int, ...] = RUNNER_COUNTS) -> dict[str, Any]:
+    results: dict[str, Any] = {"jobs_per_run": jobs, "runs": {}}
+    with harness.postgres() as server:
+        url = await harness.fresh_database(server)
+        results["pgbench_tpcb_tps"] = await pgbench_tps(server)
+        print(f"pgbench TPC-B: {results['pgbench_tpcb_tps']} tps")
+        async with harness.replicas(url, 2) as started:
+            addresses = [replica.address for replica in started]
+            for count in runner_counts:
+                sql = await sql_lifecycle(url, count, jobs)
+                http = await http_lifecycle(url, addresses, count, jobs)
+                results["runs"][str(count)] = {
+                    "sql_jobs_per_s": round(sql, 1),
+                    "http_jobs_per_s": round(http, 1),
+                    "http_to_sql": round(http / sql, 2),
+                }
+                print(
+                    f"{count:>4} runners: sql {sql:.0f} jobs/s, http {http:.0f} jobs/s "
+                    f"({http / sql:.2f} of sql)"
+                )
+    path = harness.write_result("throughput", results)
+    print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    anyio.run(run)
