@@ -26,40 +26,46 @@ log = logging.getLogger("controlplane.maintenance")
 
 
 class Leadership:
+    """Holds, or keeps trying for, the leader lock on one dedicated connection."""
+
     def __init__(self, settings: PoolSettings) -> None:
         self._settings = settings
         self._conn: asyncpg.Connection | None = None
+        self._leading = False
+        self._guard = anyio.Lock()  # several maintenance loops ask at once
 
     @property
     def leading(self) -> bool:
-        return self._conn is not None and not self._conn.is_closed()
+        return self._leading and self._conn is not None and not self._conn.is_closed()
 
     async def try_lead(self) -> bool:
-        if self.leading:
+        """True while we hold the lock. Probes the connection; a lost one loses the lock."""
+        async with self._guard:
             try:
                 with anyio.fail_after(5):
-                    await self._conn.execute("SELECT 1")  # type: ignore[union-attr]
-                return True
-            except Exception:
+                    if self._conn is None or self._conn.is_closed():
+                        self._leading = False
+                        self._conn = await connect(self._settings)
+                    if self._leading:
+                        await self._conn.execute("SELECT 1")
+                    else:
+                        self._leading = bool(
+                            await self._conn.fetchval(
+                                "SELECT pg_try_advisory_lock($1)", locks.LEADER_KEY
+                            )
+                        )
+                        if self._leading:
+                            log.info("maintenance.leading")
+            except Exception as error:
+                log.warning("maintenance.lead_failed", extra={"error": repr(error)})
                 self.step_down()
-        try:
-            with anyio.fail_after(5):
-                conn = await connect(self._settings)
-                got = await conn.fetchval("SELECT pg_try_advisory_lock($1)", locks.LEADER_KEY)
-        except Exception as error:
-            log.warning("maintenance.lead_failed", extra={"error": repr(error)})
-            return False
-        if got:
-            self._conn = conn
-            log.info("maintenance.leading")
-            return True
-        conn.terminate()
-        return False
+            return self._leading
 
     def step_down(self) -> None:
         if self._conn is not None:
             self._conn.terminate()  # ends the session, which releases the lock
-            self._conn = None
+        self._conn = None
+        self._leading = False
 
 
 async def _every(seconds: float, leader: Leadership, work: Callable[[], Awaitable[None]]) -> None:
