@@ -146,6 +146,57 @@ async def measure(url: str, addresses: list[str], runners: int, samples: int) ->
     return latencies
 
 
+async def cancel_latency(url: str, address: str, samples: int) -> list[float]:
+    """From the orchestrator's cancel request to the held heartbeat's `cancel: true`."""
+    workspace = uuid.uuid4()
+    conn = await asyncpg.connect(url)
+    _, registration = await credentials.create_manual_token(conn, workspace_id=workspace, name="c")
+    _, orchestrator = await credentials.create_api_key(conn, kind="orchestrator", name="c")
+    latencies: list[float] = []
+    async with httpx.AsyncClient(base_url=address, timeout=60) as client:
+        response = await client.post(
+            "/v1/runners/register",
+            json={"labels": ["linux"]},
+            headers={"Authorization": f"Bearer {registration}"},
+        )
+        session = {"Authorization": f"Bearer {response.json()['session_token']}"}
+        for _ in range(samples):
+            job = _job(workspace)
+            await queue.enqueue(conn, [job])
+            body = (await client.post("/v1/runners/jobs/request?wait=5", headers=session)).json()
+            path = f"/v1/runners/jobs/{body['job_execution_id']}"
+            lease = {"Authorization": f"Bearer {body['lease_token']}"}
+            answered: list[float] = []
+
+            async def hold(
+                path: str = path, lease: dict[str, str] = lease, answered: list[float] = answered
+            ) -> None:
+                beat = await client.post(f"{path}/heartbeat?wait=10", headers=lease)
+                assert beat.json()["cancel"] is True
+                answered.append(time.perf_counter())
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(hold)
+                # Cancel once the heartbeat is held (its lease shows a first heartbeat).
+                with anyio.fail_after(10):
+                    while not await conn.fetchval(
+                        "SELECT first_heartbeat_at IS NOT NULL FROM running_jobs "
+                        "WHERE job_execution_id = $1",
+                        job.identity.job_execution_id,
+                    ):
+                        await anyio.sleep(0.002)
+                start = time.perf_counter()
+                await client.post(
+                    f"/v1/jobs/{job.identity.job_execution_id}/outcome",
+                    json={"status": "cancelled"},
+                    headers={"Authorization": f"Bearer {orchestrator}"},
+                )
+            latencies.append(answered[0] - start)
+            await client.post(f"{path}/complete", json={"outcome": "cancelled"}, headers=lease)
+    await conn.close()
+    return latencies
+
+
 async def run(samples: int = SAMPLES, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
     results: dict[str, Any] = {"samples_per_size": samples, "sizes": {}}
     with harness.postgres() as server:
@@ -165,6 +216,9 @@ async def run(samples: int = SAMPLES, sizes: tuple[int, ...] = SIZES) -> dict[st
                     f"({ours['p50_ratio_to_baseline']}x baseline), p99 {ours['p99_ms']} ms "
                     f"({ours['p99_ratio_to_baseline']}x baseline)"
                 )
+            cancel = harness.summary_ms(await cancel_latency(url, addresses[0], 50))
+            results["cancel_to_held_heartbeat"] = cancel
+            print(f"cancel -> held heartbeat: p50 {cancel['p50_ms']} ms, p99 {cancel['p99_ms']} ms")
     path = harness.write_result("dispatch", results)
     print(f"wrote {path}")
     return results
