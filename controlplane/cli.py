@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
@@ -14,10 +15,13 @@ import anyio
 import msgspec
 
 from controlplane import app, logs, settings
+from controlplane.agent import queue_client
+from controlplane.agent.runner import Runner, RunnerOptions
 from controlplane.errors import ConfigError, ControlPlaneError, InvalidInput
 from controlplane.store import credentials
 from controlplane.store.pool import connect
 from controlplane.wire import admin as admin_wire
+from controlplane.wire import runners as runner_wire
 
 _encoder = msgspec.json.Encoder()
 
@@ -118,6 +122,150 @@ def _cmd_tokens(config: settings.Settings, args: argparse.Namespace) -> None:
     anyio.run(lambda: _with_db(config, work))
 
 
+def _secret(given: str | None, variable: str, prefix: str, what: str) -> str:
+    """A token from its option or its environment variable; never echoed back in a message."""
+    value = given or os.environ.get(variable, "")
+    if not value:
+        raise InvalidInput(f"{what} is required: pass it in ${variable} (or the option)")
+    if not value.startswith(prefix):
+        raise InvalidInput(f"{what} must be a {prefix}… token")
+    return value
+
+
+def _labels(raw: str) -> list[str]:
+    labels = [label.strip() for label in raw.split(",") if label.strip()]
+    if not labels:
+        raise InvalidInput("--labels needs at least one label")
+    try:
+        msgspec.convert({"labels": labels}, runner_wire.RegisterRequest)
+    except msgspec.ValidationError as error:
+        raise InvalidInput(f"invalid --labels: {error}") from error
+    return labels
+
+
+def _cmd_runner(args: argparse.Namespace) -> int:
+    if args.max_idle_seconds < 0:
+        raise InvalidInput("--max-idle-seconds must be 0 (for ever) or more")
+    options = RunnerOptions(
+        url=args.url,
+        token=_secret(args.token, "CONTROLPLANE_RUNNER_TOKEN", "cp_mrt_", "a registration token"),
+        labels=_labels(args.labels),
+        once=args.once,
+        max_idle_seconds=args.max_idle_seconds,
+    )
+    return anyio.run(Runner(options).run)
+
+
+def _cmd_enqueue(args: argparse.Namespace) -> int:
+    key = _secret(args.key, "CONTROLPLANE_ORCHESTRATOR_KEY", "cp_oak_", "an orchestrator key")
+    if not args.command:
+        raise InvalidInput("give the command to run after --")
+    labels = _labels(args.labels)
+    return anyio.run(
+        lambda: queue_client.enqueue(
+            args.url,
+            key,
+            args.workspace,
+            labels,
+            args.command,
+            wait=args.wait,
+            give_up_after=args.timeout,
+        )
+    )
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    key = _secret(args.key, "CONTROLPLANE_ADMIN_KEY", "cp_adm_", "an admin key")
+    return anyio.run(lambda: queue_client.status(args.url, key))
+
+
+def _client_commands(commands: Any) -> None:
+    """Commands that talk to a running daemon over HTTP; they read no settings file."""
+    url_help = "the control plane's base URL, e.g. http://127.0.0.1:8080"
+    runner = commands.add_parser(
+        "runner",
+        help="run the reference runner agent",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Register with a manual registration token, then long-poll for jobs and run them one at a time.
+
+A job's payload is {"script": "<shell>", "env": {"NAME": "value"}}. The script runs as
+`/bin/sh -c <script>` in its own process group, in a fresh temporary directory, with a minimal
+environment (PATH, HOME, LANG, LC_ALL, TZ, TMPDIR, USER, LOGNAME, CI=true,
+CONTROLPLANE_JOB_EXECUTION_ID, CONTROLPLANE_JOB_ID) plus the payload's env. Its output goes to
+this process's stdout; the runner's own JSON logs go to stderr. While it runs, one held
+heartbeat keeps the lease alive and hears a cancel at once: the group then gets SIGTERM, and
+SIGKILL 2 s later, and the job completes `cancelled`. Exit status 0 completes `succeeded`,
+anything else `failed` with the exit code.
+
+Retries: a 401 on the job request registers again with the same token; 5xx and transport errors
+back off with full jitter from 1 s up to 5 s; 409 runner-session-exhausted exits 0; a refused
+registration (400/401/403) exits 1.
+
+Signals: the first SIGTERM/SIGINT stops asking for jobs, lets a running job finish and exits 0;
+a second one kills the job's process group, completes it `cancelled` and exits 1.""",
+    )
+    runner.add_argument("--url", required=True, help=url_help)
+    runner.add_argument(
+        "--token",
+        help="manual registration token (cp_mrt_…); default $CONTROLPLANE_RUNNER_TOKEN, which "
+        "keeps it out of the process list",
+    )
+    runner.add_argument(
+        "--labels", required=True, help="comma-separated labels this runner offers, e.g. linux,x64"
+    )
+    runner.add_argument("--once", action="store_true", help="exit 0 after one job")
+    runner.add_argument(
+        "--max-idle-seconds",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="exit after S seconds without a job: 0 if the last request was answered, 1 if the "
+        "control plane kept failing (default 0: wait for ever)",
+    )
+    runner.set_defaults(client=_cmd_runner)
+
+    enqueue = commands.add_parser(
+        "enqueue",
+        help="enqueue one job that runs a command",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Enqueue one job whose payload is {"script": "<the command, shell-quoted>"}, with fresh ids and
+queued_at = now, and print its execution id. With --wait, follow the execution until it ends,
+print `outcome: <outcome>` and exit 0 if it succeeded, 1 otherwise.
+
+example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait -- make test""",
+    )
+    enqueue.add_argument("--url", required=True, help=url_help)
+    enqueue.add_argument(
+        "--key", help="orchestrator API key (cp_oak_…); default $CONTROLPLANE_ORCHESTRATOR_KEY"
+    )
+    enqueue.add_argument("--workspace", type=UUID, required=True, help="workspace id (UUID)")
+    enqueue.add_argument(
+        "--labels", required=True, help="comma-separated labels the runner must have"
+    )
+    enqueue.add_argument("--wait", action="store_true", help="wait for the outcome")
+    enqueue.add_argument(
+        "--timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --wait, give up after S seconds (exit 2); default 0: no limit",
+    )
+    enqueue.add_argument("command", nargs="*", help="the command and its arguments, after --")
+    enqueue.set_defaults(client=_cmd_enqueue)
+
+    status = commands.add_parser(
+        "status",
+        help="show the queue: pending and running jobs per workspace",
+        description="Print GET /v1/admin/queue as a table: one row per workspace with pending "
+        "or running jobs, busiest first, then the totals.",
+    )
+    status.add_argument("--url", required=True, help=url_help)
+    status.add_argument("--key", help="admin API key (cp_adm_…); default $CONTROLPLANE_ADMIN_KEY")
+    status.set_defaults(client=_cmd_status)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="controlplane",
@@ -166,6 +314,7 @@ def parser() -> argparse.ArgumentParser:
     revoke.add_argument("kind", choices=kinds)
     revoke.add_argument("id", type=UUID)
     tokens.set_defaults(run=_cmd_tokens)
+    _client_commands(commands)
     return top
 
 
@@ -173,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logs.configure(args.log_level)
     try:
+        if hasattr(args, "client"):
+            code: int = args.client(args)
+            return code
         config = settings.load(args.config)
         args.run(config, args)
     except ControlPlaneError as error:

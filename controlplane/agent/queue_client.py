@@ -1,0 +1,126 @@
+"""What an operator runs against a daemon by hand: enqueue one job, and look at the queue."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import TypeVar
+from uuid import UUID
+
+import anyio
+import httpx
+import msgspec
+
+from controlplane.agent import api
+from controlplane.wire.admin import QueueOut
+from controlplane.wire.orchestrator import EnqueueResponse, ExecutionState
+
+_FIRST_POLL_SECONDS = 0.2
+_MAX_POLL_SECONDS = 2.0
+
+T = TypeVar("T")
+
+
+def enqueue_body(
+    workspace: UUID, labels: Sequence[str], command: Sequence[str], now: datetime
+) -> dict[str, object]:
+    return {
+        "jobs": [
+            {
+                "job_execution_id": str(uuid.uuid4()),
+                "job_id": str(uuid.uuid4()),
+                "workflow_run_id": str(uuid.uuid4()),
+                "workflow_run_attempt_id": str(uuid.uuid4()),
+                "workspace_id": str(workspace),
+                "project_id": str(uuid.uuid4()),
+                "required_labels": list(labels),
+                "queued_at": now.isoformat(),
+                "payload": {"script": shlex.join(command)},
+            }
+        ]
+    }
+
+
+async def _call(http: httpx.AsyncClient, method: str, path: str, **kwargs: object) -> bytes:
+    try:
+        response = await http.request(method, path, **kwargs)  # type: ignore[arg-type]
+    except httpx.TransportError as error:
+        raise api.ApiError(f"cannot reach {http.base_url}: {type(error).__name__}") from error
+    if response.status_code != 200:
+        raise api.ApiError(f"{method} {path}: {api.describe(response)}")
+    return response.content
+
+
+def _decode(content: bytes, kind: type[T]) -> T:
+    try:
+        return msgspec.json.decode(content, type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise api.ApiError(f"unexpected answer: {error}") from error
+
+
+async def enqueue(
+    url: str,
+    key: str,
+    workspace: UUID,
+    labels: Sequence[str],
+    command: Sequence[str],
+    *,
+    wait: bool,
+    give_up_after: float,
+) -> int:
+    """Print the new execution's id; with `wait`, follow it to its end and print the outcome.
+    Exit status: 0 when enqueued (or, with `wait`, when it succeeded), 1 otherwise."""
+    body = enqueue_body(workspace, labels, command, datetime.now(UTC))
+    async with api.client(url) as http:
+        headers = api.bearer(key)
+        answer = _decode(
+            await _call(http, "POST", "/v1/jobs", json=body, headers=headers), EnqueueResponse
+        )
+        result = answer.results[0]
+        _say(str(result.job_execution_id))
+        if not wait:
+            return 0
+        path = f"/v1/jobs/{result.job_execution_id}"
+        pause = _FIRST_POLL_SECONDS
+        state: ExecutionState | None = None
+        with anyio.move_on_after(give_up_after if give_up_after > 0 else float("inf")) as deadline:
+            while True:
+                state = _decode(await _call(http, "GET", path, headers=headers), ExecutionState)
+                if state.state == "ended":
+                    break
+                await anyio.sleep(pause)
+                pause = min(pause * 2, _MAX_POLL_SECONDS)
+        if deadline.cancelled_caught or state is None:
+            raise api.ApiError(f"gave up waiting after {give_up_after:g} s; the job has not ended")
+    _say(f"outcome: {state.outcome}")
+    return 0 if state.outcome == "succeeded" else 1
+
+
+def queue_table(queue: QueueOut) -> str:
+    """The queue as a fixed-width table: one row per workspace, busiest first, then the totals."""
+    rows = [
+        (str(item.workspace_id), item.queued, item.running)
+        for item in sorted(
+            queue.workspaces, key=lambda w: (-w.queued, -w.running, str(w.workspace_id))
+        )
+    ]
+    width = max([len("WORKSPACE"), len("TOTAL"), *(len(row[0]) for row in rows)])
+    lines = [f"{'WORKSPACE':<{width}}  {'PENDING':>8}  {'RUNNING':>8}"]
+    lines += [f"{name:<{width}}  {pending:>8}  {running:>8}" for name, pending, running in rows]
+    lines.append(f"{'TOTAL':<{width}}  {queue.pending:>8}  {queue.running:>8}")
+    return "\n".join(lines)
+
+
+async def status(url: str, key: str) -> int:
+    async with api.client(url) as http:
+        content = await _call(http, "GET", "/v1/admin/queue", headers=api.bearer(key))
+    _say(queue_table(_decode(content, QueueOut)))
+    return 0
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
