@@ -14,7 +14,7 @@ from uuid import UUID
 import anyio
 import msgspec
 
-from controlplane import app, logs, settings
+from controlplane import app, dev, logs, settings
 from controlplane.agent import queue_client
 from controlplane.agent.runner import Runner, RunnerOptions
 from controlplane.errors import ConfigError, ControlPlaneError, InvalidInput
@@ -42,6 +42,16 @@ async def _with_db(
             await work(conn)
         finally:
             await conn.close()
+
+
+def _from_env(variable: str) -> dict[str, Any]:
+    """An option that defaults to an environment variable, and is required when that is unset."""
+    value = os.environ.get(variable)
+    return {"default": value} if value else {"required": True}
+
+
+def _cmd_dev(config: settings.Settings, args: argparse.Namespace) -> None:
+    anyio.run(lambda: dev.run(config, runners=args.runners, labels=args.labels))
 
 
 def _cmd_serve(config: settings.Settings, _args: argparse.Namespace) -> None:
@@ -181,7 +191,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _client_commands(commands: Any) -> None:
     """Commands that talk to a running daemon over HTTP; they read no settings file."""
-    url_help = "the control plane's base URL, e.g. http://127.0.0.1:8080"
+    url_help = "the control plane's base URL, e.g. http://127.0.0.1:8080; default $CONTROLPLANE_URL"
     runner = commands.add_parser(
         "runner",
         help="run the reference runner agent",
@@ -205,7 +215,7 @@ registration (400/401/403) exits 1.
 Signals: the first SIGTERM/SIGINT stops asking for jobs, lets a running job finish and exits 0;
 a second one kills the job's process group, completes it `cancelled` and exits 1.""",
     )
-    runner.add_argument("--url", required=True, help=url_help)
+    runner.add_argument("--url", **_from_env("CONTROLPLANE_URL"), help=url_help)
     runner.add_argument(
         "--token",
         help="manual registration token (cp_mrt_…); default $CONTROLPLANE_RUNNER_TOKEN, which "
@@ -236,11 +246,16 @@ print `outcome: <outcome>` and exit 0 if it succeeded, 1 otherwise.
 
 example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait -- make test""",
     )
-    enqueue.add_argument("--url", required=True, help=url_help)
+    enqueue.add_argument("--url", **_from_env("CONTROLPLANE_URL"), help=url_help)
     enqueue.add_argument(
         "--key", help="orchestrator API key (cp_oak_…); default $CONTROLPLANE_ORCHESTRATOR_KEY"
     )
-    enqueue.add_argument("--workspace", type=UUID, required=True, help="workspace id (UUID)")
+    enqueue.add_argument(
+        "--workspace",
+        type=UUID,
+        **_from_env("CONTROLPLANE_WORKSPACE"),
+        help="workspace id (UUID); default $CONTROLPLANE_WORKSPACE",
+    )
     enqueue.add_argument(
         "--labels", required=True, help="comma-separated labels the runner must have"
     )
@@ -261,7 +276,7 @@ example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait --
         description="Print GET /v1/admin/queue as a table: one row per workspace with pending "
         "or running jobs, busiest first, then the totals.",
     )
-    status.add_argument("--url", required=True, help=url_help)
+    status.add_argument("--url", **_from_env("CONTROLPLANE_URL"), help=url_help)
     status.add_argument("--key", help="admin API key (cp_adm_…); default $CONTROLPLANE_ADMIN_KEY")
     status.set_defaults(client=_cmd_status)
 
@@ -286,6 +301,21 @@ def parser() -> argparse.ArgumentParser:
         "migrations, the HTTP API. Stops cleanly on SIGTERM/SIGINT.",
     )
     serve.set_defaults(run=_cmd_serve)
+
+    development = commands.add_parser(
+        "dev",
+        help="run a local control plane with reference runners",
+        description="Start the daemon (embedded PostgreSQL unless database.url is set), create "
+        "an orchestrator key, an admin key and a registration token for a dev workspace, start "
+        "reference runners as subprocesses, and print where everything is. The credentials are "
+        "also written to <embedded_data_dir>/../dev.env, to source in another shell. Ctrl-C "
+        "stops it all.",
+    )
+    development.add_argument("--runners", type=int, default=2, help="how many runners (default 2)")
+    development.add_argument(
+        "--labels", default="linux", help="the runners' labels, comma-separated (default linux)"
+    )
+    development.set_defaults(run=_cmd_dev)
 
     migrate = commands.add_parser(
         "migrate",
