@@ -38,7 +38,7 @@ from controlplane.store import migrations, queue
 from controlplane.store.embedded import EmbeddedPostgres
 from controlplane.store.events import EVENTS_CHANNEL
 from controlplane.store.leases import CANCEL_CHANNEL
-from controlplane.store.pool import PoolSettings, connect, create_pool
+from controlplane.store.pool import PoolSettings, borrow, connect, create_pool
 from controlplane.web import app as web_app
 from controlplane.web.services import KeyRing, Services
 
@@ -53,11 +53,11 @@ class PoolClaims:
         self._throttle = throttle
 
     async def claim(self, session: SessionClaims) -> ClaimedJob | None:
-        async with self._pool.acquire() as conn:
+        async with borrow(self._pool) as conn:
             return await queue.claim(conn, session, liveness_throttle=self._throttle)
 
     async def put_back(self, job_execution_id: UUID, runner_session_id: UUID) -> bool:
-        async with self._pool.acquire() as conn:
+        async with borrow(self._pool) as conn:
             done = await queue.put_back(conn, job_execution_id, runner_session_id)
         metrics.put_backs.inc()
         return done

@@ -34,18 +34,42 @@ def with_database(url: str, database: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def server_url() -> Iterator[str]:
-    configured = os.environ.get("CONTROLPLANE_TEST_DATABASE_URL")
-    if configured:
-        yield configured
+def _session_server() -> Iterator[EmbeddedPostgres | None]:
+    """The embedded server of this run, or None when CONTROLPLANE_TEST_DATABASE_URL is set."""
+    if os.environ.get("CONTROLPLANE_TEST_DATABASE_URL"):
+        yield None
         return
     with tempfile.TemporaryDirectory(prefix="cp-test-pg-") as folder:
         server = EmbeddedPostgres(Path(folder) / "data", durable=False, max_connections=400)
-        url = server.start()
+        server.start()
         try:
-            yield url
+            yield server
         finally:
             server.stop("immediate")
+
+
+@pytest.fixture(scope="session")
+def server_url(_session_server: EmbeddedPostgres | None) -> str:
+    if _session_server is None:
+        return os.environ["CONTROLPLANE_TEST_DATABASE_URL"]
+    return _session_server.url
+
+
+@pytest.fixture
+def embedded_server(_session_server: EmbeddedPostgres | None) -> Iterator[EmbeddedPostgres]:
+    """The session's embedded server, for tests that stop and restart PostgreSQL.
+
+    Skipped against an external server. A test that stops it must start it again (`start()`
+    reuses the port) before it ends: every later test shares it. As a safety net the fixture
+    restarts a server left stopped.
+    """
+    if _session_server is None:
+        pytest.skip("PostgreSQL restarts need the embedded server")
+    try:
+        yield _session_server
+    finally:
+        if not _session_server.running():
+            _session_server.start()
 
 
 async def _build_template(server_url: str) -> None:

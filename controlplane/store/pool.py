@@ -8,6 +8,7 @@ an application name. asyncpg errors that mean "the database is not there right n
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
 from controlplane.errors import Unavailable
+
+log = logging.getLogger("controlplane.pool")
 
 Pool = asyncpg.Pool
 # A store function runs on a dedicated connection or on one borrowed from the pool.
@@ -52,6 +55,25 @@ async def create_pool(settings: PoolSettings) -> Pool:
         raise Unavailable(f"cannot connect to the database: {error}") from error
     assert pool is not None
     return pool
+
+
+@contextlib.asynccontextmanager
+async def borrow(pool: Pool) -> AsyncIterator[PoolConnectionProxy]:
+    """A pooled connection whose release cannot fail the caller.
+
+    asyncpg resets a connection on release and, when the reset fails (the server went away just
+    after our statement committed), terminates it and re-raises. Work that committed must not be
+    reported as failed, least of all a claim, which would then never reach its runner: the
+    connection is already terminated, so we log and carry on.
+    """
+    conn = await pool.acquire()
+    try:
+        yield conn
+    finally:
+        try:
+            await pool.release(conn)
+        except Exception as error:
+            log.warning("pool.release_failed", extra={"error": repr(error)})
 
 
 async def connect(settings: PoolSettings) -> asyncpg.Connection:

@@ -9,6 +9,7 @@ from starlette.routing import Route
 from controlplane.errors import ControlPlaneError
 from controlplane.web import admin, health, openapi, orchestrator, runners
 from controlplane.web.errors import (
+    DATABASE_FAULTS,
     handle_control_plane_error,
     handle_http_exception,
     handle_unexpected,
@@ -28,6 +29,7 @@ def build(services: Services) -> Starlette:
         exception_handlers={
             ControlPlaneError: handle_control_plane_error,
             HTTPException: handle_http_exception,
+            **dict.fromkeys(DATABASE_FAULTS, handle_unexpected),
             Exception: handle_unexpected,
         },
     )

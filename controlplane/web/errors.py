@@ -62,7 +62,10 @@ async def handle_http_exception(_request: Request, exc: Exception) -> Response:
     )
 
 
-_DATABASE_FAULTS = (
+# Mapped by Starlette's exception middleware (see app.py), not under `Exception`: a handler on
+# `Exception` runs in ServerErrorMiddleware, which re-raises after answering, so uvicorn logs a
+# traceback and closes the keep-alive connection behind every 503.
+DATABASE_FAULTS: tuple[type[Exception], ...] = (
     OSError,
     asyncpg.PostgresConnectionError,
     asyncpg.InterfaceError,
@@ -74,7 +77,7 @@ _DATABASE_FAULTS = (
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, _DATABASE_FAULTS):
+    if isinstance(exc, DATABASE_FAULTS):
         # The database is unreachable, restarting, or too slow: retryable, so 503.
         log.warning(
             "http.database_unavailable",

@@ -22,6 +22,7 @@ from controlplane.errors import (
     ShuttingDown,
 )
 from controlplane.store import executions, leases, queue, sessions
+from controlplane.store.pool import borrow
 from controlplane.web import auth
 from controlplane.web.edge import hold, json_response, path_uuid, query_number, read_json
 from controlplane.web.services import Services
@@ -116,7 +117,7 @@ async def _request_job(request: Request) -> Response:
     limit = svc.settings.runners.long_poll_max_seconds
     wait = query_number(request, "wait", low=0, high=limit, default=limit)
     if wait == 0:
-        async with svc.pool.acquire() as conn:
+        async with borrow(svc.pool) as conn:
             job = await queue.claim(conn, session, liveness_throttle=svc.liveness_throttle)
         return _nothing() if job is None else _job_response(svc, session, job)
     waiter = Waiter(session)
