@@ -45,6 +45,7 @@ from controlplane.errors import ControlPlaneError, ShuttingDown, Unavailable
 log = logging.getLogger("controlplane.dispatch")
 
 _MAX_HINTS = 64
+_PUT_BACK_ATTEMPTS = 3
 _ALL = None  # a hint of None means: anything may have changed
 
 
@@ -190,15 +191,27 @@ class WorkspaceActor:
         return True
 
     async def _put_back(self, job: ClaimedJob, waiter: Waiter) -> None:
+        """Return an undelivered claim to the queue, retrying briefly if the database blips.
+
+        If every attempt fails, the lease (never heartbeated) is expired by the reaper after the
+        no-first-heartbeat grace: the job then ends `expired`, and the orchestrator decides
+        whether to run it again. The retries bound that loss to outages over about a second.
+        """
         execution = job.identity.job_execution_id
-        try:
-            await self._store.put_back(execution, waiter.session.runner_session_id)
-        except Exception as error:
-            # The lease has no heartbeat, so the reaper's grace returns it; we only lose time.
-            log.warning(
-                "dispatch.put_back_failed",
-                extra={"job_execution_id": str(execution), "error": repr(error)},
-            )
+        for attempt in range(_PUT_BACK_ATTEMPTS):
+            try:
+                await self._store.put_back(execution, waiter.session.runner_session_id)
+                return
+            except Exception as error:
+                log.warning(
+                    "dispatch.put_back_failed",
+                    extra={
+                        "job_execution_id": str(execution),
+                        "attempt": attempt + 1,
+                        "error": repr(error),
+                    },
+                )
+                await anyio.sleep(0.25 * (attempt + 1))
 
 
 class Dispatcher:

@@ -1,0 +1,182 @@
+"""The workspace actor's logic with a fake store, on trio with a mock clock: nothing here waits
+for real time, and the same code runs on asyncio in the daemon (it uses only anyio)."""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import anyio
+import pytest
+import trio.testing
+
+from controlplane.actors.dispatch import Dispatcher, Waiter, WaiterState
+from controlplane.domain.jobs import ClaimedJob, JobIdentity, SessionClaims
+from controlplane.domain.labels import LabelSet
+from controlplane.errors import Unavailable
+
+WORKSPACE = uuid.uuid4()
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+
+class FakeStore:
+    """Jobs by required labels, FIFO; records every call."""
+
+    def __init__(self) -> None:
+        self.jobs: deque[tuple[LabelSet, ClaimedJob]] = deque()
+        self.claims: list[LabelSet] = []
+        self.put_backs: list[UUID] = []
+        self.put_back_failures = 0
+        self.claim_started = anyio.Event()
+
+    def add(self, labels: LabelSet) -> ClaimedJob:
+        job = ClaimedJob(
+            identity=JobIdentity(WORKSPACE, *(uuid.uuid4() for _ in range(5))),
+            required_labels=labels,
+            payload={},
+            queued_at=datetime.now(UTC),
+            started_at=datetime.now(UTC),
+        )
+        self.jobs.append((labels, job))
+        return job
+
+    async def claim(self, session: SessionClaims) -> ClaimedJob | None:
+        self.claims.append(session.labels)
+        self.claim_started.set()
+        await anyio.sleep(0.001)  # a claim takes a round trip
+        for index, (labels, job) in enumerate(self.jobs):
+            if set(labels) <= set(session.labels):
+                del self.jobs[index]
+                return job
+        return None
+
+    async def put_back(self, job_execution_id: UUID, runner_session_id: UUID) -> bool:
+        if self.put_back_failures:
+            self.put_back_failures -= 1
+            raise Unavailable("database blip")
+        self.put_backs.append(job_execution_id)
+        return True
+
+
+def waiter(*labels: str) -> Waiter:
+    return Waiter(SessionClaims(uuid.uuid4(), WORKSPACE, tuple(sorted(labels)), None))
+
+
+async def _run(store: FakeStore, body: Any) -> None:
+    dispatcher = Dispatcher(store, tick_seconds=5)
+    async with anyio.create_task_group() as group:
+        await group.start(dispatcher.run)
+        await body(dispatcher)
+        group.cancel_scope.cancel()
+
+
+async def test_a_burst_reaches_every_waiter_in_arrival_order_with_one_claim_each() -> None:
+    store = FakeStore()
+    waiters = [waiter("linux") for _ in range(5)]
+
+    async def body(dispatcher: Dispatcher) -> None:
+        for each in waiters:
+            dispatcher.park(each)
+        await anyio.sleep(1)  # mock clock: the newcomers are tried and find nothing
+        store.claims.clear()
+        jobs = [store.add(("linux",)) for _ in range(5)]
+        dispatcher.wake(WORKSPACE, ("linux",))
+        with anyio.fail_after(5):
+            for each in waiters:
+                await each.done.wait()
+        assert [each.job for each in waiters] == jobs
+        assert len(store.claims) == 5
+
+    await _run(store, body)
+
+
+async def test_a_wake_for_other_labels_costs_no_claims_for_these_waiters() -> None:
+    store = FakeStore()
+    linux = [waiter("linux") for _ in range(3)]
+
+    async def body(dispatcher: Dispatcher) -> None:
+        for each in linux:
+            dispatcher.park(each)
+        await anyio.sleep(1)
+        store.claims.clear()
+        store.add(("macos",))
+        dispatcher.wake(WORKSPACE, ("macos",))
+        await anyio.sleep(1)
+        assert store.claims == []
+        assert all(each.state is WaiterState.WAITING for each in linux)
+
+    await _run(store, body)
+
+
+async def test_once_a_label_set_finds_nothing_narrower_waiters_are_not_tried() -> None:
+    store = FakeStore()
+
+    async def body(dispatcher: Dispatcher) -> None:
+        wide, narrow = waiter("linux", "x64"), waiter("linux")
+        dispatcher.park(wide)
+        dispatcher.park(narrow)
+        await anyio.sleep(1)
+        store.claims.clear()
+        dispatcher.wake(WORKSPACE, None)  # "anything may have changed", and nothing did
+        await anyio.sleep(1)
+        assert store.claims == [("linux", "x64")]
+
+    await _run(store, body)
+
+
+async def test_a_claim_for_an_abandoned_waiter_is_put_back_retrying_a_blip() -> None:
+    store = FakeStore()
+    store.put_back_failures = 2
+
+    async def body(dispatcher: Dispatcher) -> None:
+        job = store.add(("linux",))
+        gone = waiter("linux")
+        dispatcher.park(gone)  # a newcomer is tried at once
+        with anyio.fail_after(5):
+            await store.claim_started.wait()
+        assert gone.abandon()  # the runner leaves while its claim is in flight
+        await anyio.sleep(5)
+        assert gone.job is None
+        assert store.put_backs == [job.identity.job_execution_id]  # third attempt succeeded
+        assert store.put_back_failures == 0
+
+    await _run(store, body)
+
+
+async def test_the_safety_tick_finds_work_whose_notification_was_lost() -> None:
+    store = FakeStore()
+
+    async def body(dispatcher: Dispatcher) -> None:
+        parked = waiter("linux")
+        dispatcher.park(parked)
+        await anyio.sleep(1)
+        job = store.add(("linux",))  # enqueued, but no wake arrives
+        with anyio.fail_after(30):
+            await parked.done.wait()
+        assert parked.job == job
+
+    await _run(store, body)
+
+
+async def test_close_answers_every_parked_waiter() -> None:
+    store = FakeStore()
+
+    async def body(dispatcher: Dispatcher) -> None:
+        parked = [waiter("linux") for _ in range(3)]
+        for each in parked:
+            dispatcher.park(each)
+        await anyio.sleep(1)
+        dispatcher.close()
+        assert all(each.state is WaiterState.FAILED for each in parked)
+        late = waiter("linux")
+        dispatcher.park(late)
+        assert late.state is WaiterState.FAILED
+
+    await _run(store, body)
