@@ -102,6 +102,32 @@ def _wanted(labels: LabelSet, hint: set[LabelSet] | None) -> bool:
     return any(set(required) <= own for required in hint)
 
 
+async def put_back(store: ClaimStore, job: ClaimedJob, runner_session_id: UUID) -> None:
+    """Return an undelivered claim to the queue, retrying briefly if the database blips.
+
+    Shielded, so a shutdown cannot interrupt it. If every attempt fails, the lease (never
+    heartbeated) is expired by the reaper after the no-first-heartbeat grace: the job then ends
+    `expired`, and the orchestrator decides whether to run it again. The retries bound that loss
+    to outages over about a second.
+    """
+    execution = job.identity.job_execution_id
+    with anyio.CancelScope(shield=True):
+        for attempt in range(_PUT_BACK_ATTEMPTS):
+            try:
+                await store.put_back(execution, runner_session_id)
+                return
+            except Exception as error:
+                log.warning(
+                    "dispatch.put_back_failed",
+                    extra={
+                        "job_execution_id": str(execution),
+                        "attempt": attempt + 1,
+                        "error": repr(error),
+                    },
+                )
+                await anyio.sleep(0.25 * (attempt + 1))
+
+
 class WorkspaceActor:
     def __init__(self, workspace_id: UUID, store: ClaimStore, tick_seconds: float) -> None:
         self.workspace_id = workspace_id
@@ -191,27 +217,7 @@ class WorkspaceActor:
         return True
 
     async def _put_back(self, job: ClaimedJob, waiter: Waiter) -> None:
-        """Return an undelivered claim to the queue, retrying briefly if the database blips.
-
-        If every attempt fails, the lease (never heartbeated) is expired by the reaper after the
-        no-first-heartbeat grace: the job then ends `expired`, and the orchestrator decides
-        whether to run it again. The retries bound that loss to outages over about a second.
-        """
-        execution = job.identity.job_execution_id
-        for attempt in range(_PUT_BACK_ATTEMPTS):
-            try:
-                await self._store.put_back(execution, waiter.session.runner_session_id)
-                return
-            except Exception as error:
-                log.warning(
-                    "dispatch.put_back_failed",
-                    extra={
-                        "job_execution_id": str(execution),
-                        "attempt": attempt + 1,
-                        "error": repr(error),
-                    },
-                )
-                await anyio.sleep(0.25 * (attempt + 1))
+        await put_back(self._store, job, waiter.session.runner_session_id)
 
 
 class Dispatcher:
@@ -262,6 +268,10 @@ class Dispatcher:
             waiter.fail(Unavailable("too many runners waiting in this workspace"))
             return
         actor.park(waiter)
+
+    async def put_back(self, job: ClaimedJob, runner_session_id: UUID) -> None:
+        """For a request handler whose client vanished after its job was delivered."""
+        await put_back(self._store, job, runner_session_id)
 
     def wake(self, workspace_id: UUID, labels: LabelSet | None) -> None:
         actor = self._actors.get(workspace_id)

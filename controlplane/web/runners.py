@@ -134,9 +134,7 @@ async def _request_job(request: Request) -> Response:
     assert job is not None
     # A disconnect in the same step as the delivery is not seen by hold(); look once more.
     if disconnected or await request.is_disconnected():
-        async with svc.pool.acquire() as conn:
-            await queue.put_back(conn, job.identity.job_execution_id, session.runner_session_id)
-        metrics.put_backs.inc()
+        await svc.dispatcher.put_back(job, session.runner_session_id)
         log.info(
             "dispatch.put_back",
             extra={"job_execution_id": str(job.identity.job_execution_id), "why": "disconnected"},
