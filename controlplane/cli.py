@@ -17,10 +17,11 @@ import msgspec
 from controlplane import app, dev, logs, settings
 from controlplane.agent import queue_client
 from controlplane.agent.runner import Runner, RunnerOptions
-from controlplane.errors import ConfigError, ControlPlaneError, InvalidInput
-from controlplane.store import credentials
+from controlplane.errors import ControlPlaneError, InvalidInput
+from controlplane.store import credentials, provisioners
 from controlplane.store.pool import connect
 from controlplane.wire import admin as admin_wire
+from controlplane.wire import provisioners as provisioner_wire
 from controlplane.wire import runners as runner_wire
 
 _encoder = msgspec.json.Encoder()
@@ -87,47 +88,60 @@ def _checked_create(args: argparse.Namespace) -> None:
             msgspec.convert(
                 {**fields, "workspace_id": str(args.workspace)}, admin_wire.CreateRegistrationToken
             )
+        elif args.kind == "provisioner":
+            msgspec.convert(fields, provisioner_wire.CreateProvisionerToken)
         else:
             msgspec.convert({**fields, "kind": args.kind}, admin_wire.CreateApiKey)
     except msgspec.ValidationError as error:
         raise InvalidInput(f"invalid token request: {error}") from error
 
 
+async def _create_token(conn: Any, args: argparse.Namespace) -> tuple[Any, str]:
+    ttl = _ttl(args.ttl)
+    if args.kind == "registration":
+        return await credentials.create_manual_token(
+            conn, workspace_id=args.workspace, name=args.name, ttl=ttl
+        )
+    if args.kind == "provisioner":
+        return await provisioners.create(conn, name=args.name, workspace_id=args.workspace, ttl=ttl)
+    return await credentials.create_api_key(
+        conn, kind=args.kind, name=args.name, workspace_id=args.workspace, ttl=ttl
+    )
+
+
+async def _list_tokens(conn: Any, args: argparse.Namespace) -> list[Any]:
+    if args.kind == "registration":
+        return list(await credentials.list_manual_tokens(conn, args.workspace))
+    if args.kind == "provisioner":
+        return list(await provisioners.list_all(conn, args.workspace))
+    return list(await credentials.list_api_keys(conn, args.kind))
+
+
+async def _revoke_token(conn: Any, args: argparse.Namespace) -> Any:
+    if args.kind == "registration":
+        return await credentials.revoke_manual_token(conn, args.id)
+    if args.kind == "provisioner":
+        return await provisioners.revoke(conn, args.id)
+    return await credentials.revoke_api_key(conn, args.id)
+
+
 def _cmd_tokens(config: settings.Settings, args: argparse.Namespace) -> None:
     if args.action == "create":
         if args.kind == "registration" and args.workspace is None:
             raise InvalidInput("registration tokens need --workspace")
+        if args.kind == "admin" and args.workspace is not None:
+            raise InvalidInput("admin keys are installation-wide: omit --workspace")
         _checked_create(args)
 
     async def work(conn: Any) -> None:
         if args.action == "create":
-            if args.kind == "registration":
-                created, raw = await credentials.create_manual_token(
-                    conn, workspace_id=args.workspace, name=args.name, ttl=_ttl(args.ttl)
-                )
-            else:
-                if args.kind == "admin" and args.workspace is not None:
-                    raise ConfigError("admin keys are installation-wide: omit --workspace")
-                created, raw = await credentials.create_api_key(
-                    conn,
-                    kind=args.kind,
-                    name=args.name,
-                    workspace_id=args.workspace,
-                    ttl=_ttl(args.ttl),
-                )
+            created, raw = await _create_token(conn, args)
             _print({"credential": created, "token": raw})
         elif args.action == "list":
-            if args.kind == "registration":
-                found = await credentials.list_manual_tokens(conn, args.workspace)
-            else:
-                found = await credentials.list_api_keys(conn, args.kind)
-            for item in found:
+            for item in await _list_tokens(conn, args):
                 _print(item)
         else:
-            if args.kind == "registration":
-                _print(await credentials.revoke_manual_token(conn, args.id))
-            else:
-                _print(await credentials.revoke_api_key(conn, args.id))
+            _print(await _revoke_token(conn, args))
 
     anyio.run(lambda: _with_db(config, work))
 
@@ -327,11 +341,12 @@ def parser() -> argparse.ArgumentParser:
     tokens = commands.add_parser(
         "tokens",
         help="create, list or revoke credentials",
-        description="Orchestrator and admin API keys, and manual runner registration tokens. "
+        description="Orchestrator and admin API keys, manual runner registration tokens, and "
+        "provisioner tokens (--workspace for workspace scope, omitted for installation scope). "
         "A created token is printed once; only its SHA-256 is stored.",
     )
     actions = tokens.add_subparsers(dest="action", required=True, metavar="ACTION")
-    kinds = ["orchestrator", "admin", "registration"]
+    kinds = ["orchestrator", "admin", "registration", "provisioner"]
     create = actions.add_parser("create", help="create a credential and print it once")
     create.add_argument("kind", choices=kinds)
     create.add_argument("--name", required=True, help="a label for people (1-200 characters)")

@@ -71,12 +71,17 @@ class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tombstone_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 90
 
 
+class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    last_seen_throttle_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 10
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     database: Database = msgspec.field(default_factory=Database)
     server: Server = msgspec.field(default_factory=Server)
     queue: Queue = msgspec.field(default_factory=Queue)
     runners: Runners = msgspec.field(default_factory=Runners)
     maintenance: Maintenance = msgspec.field(default_factory=Maintenance)
+    provisioners: Provisioners = msgspec.field(default_factory=Provisioners)
 
     @property
     def reserved_labels(self) -> LabelSet:

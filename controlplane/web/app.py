@@ -7,7 +7,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from controlplane.errors import ControlPlaneError
-from controlplane.web import admin, health, openapi, orchestrator, runners
+from controlplane.web import admin, health, openapi, orchestrator, provisioners, runners
 from controlplane.web.errors import (
     DATABASE_FAULTS,
     handle_control_plane_error,
@@ -24,6 +24,7 @@ def build(services: Services) -> Starlette:
             *runners.routes,
             *orchestrator.routes,
             *admin.routes,
+            *provisioners.routes,
             Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
         ],
         exception_handlers={

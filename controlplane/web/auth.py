@@ -3,6 +3,7 @@ credential of one kind never reaches another kind's table; workspace scope is ch
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -13,10 +14,13 @@ from starlette.requests import Request
 from controlplane.domain import tokens
 from controlplane.domain.jobs import JobIdentity, SessionClaims
 from controlplane.errors import Forbidden, Unauthorized
-from controlplane.store import credentials
+from controlplane.store import credentials, provisioners
 from controlplane.store.credentials import Credential
+from controlplane.store.provisioners import Provisioner
 from controlplane.web.edge import bearer
 from controlplane.web.services import Services
+
+log = logging.getLogger("controlplane.auth")
 
 _API_KINDS = {"orchestrator": tokens.Kind.ORCHESTRATOR_KEY, "admin": tokens.Kind.ADMIN_KEY}
 
@@ -67,6 +71,36 @@ async def manual_registration(request: Request) -> Credential:
         raise Unauthorized(
             "the registration token was revoked", code="manual-registration-token-revoked"
         )
+    return found
+
+
+async def provisioner(request: Request) -> Provisioner:
+    """A provisioner token: revocation is reported before expiry, as the reference does; a
+    token expiring at this very instant is expired. Last-seen is stamped, throttled; a failing
+    stamp does not fail the request."""
+    svc = services(request)
+    try:
+        digest = tokens.parse_opaque(bearer(request), tokens.Kind.PROVISIONER)
+    except tokens.TokenError as error:
+        raise Unauthorized() from error
+    async with svc.pool.acquire() as conn:
+        found = await provisioners.by_digest(conn, digest)
+        if found is None:
+            raise Unauthorized()
+        if found.revoked_at is not None:
+            raise Unauthorized(
+                "the provisioner token was revoked", code="provisioner-token-revoked"
+            )
+        if found.expires_at is not None and found.expires_at <= svc.clock():
+            raise Unauthorized("the provisioner token expired", code="provisioner-token-expired")
+        throttle = timedelta(seconds=svc.settings.provisioners.last_seen_throttle_seconds)
+        try:
+            await provisioners.touch(conn, found.id, throttle)
+        except Exception as error:
+            log.warning(
+                "provisioner.last_seen_failed",
+                extra={"provisioner_id": str(found.id), "error": type(error).__name__},
+            )
     return found
 
 

@@ -27,7 +27,7 @@ from controlplane import errors
 from controlplane.settings import Settings
 from controlplane.web.edge import json_response
 from controlplane.web.errors import STATUS
-from controlplane.wire import admin, orchestrator, runners
+from controlplane.wire import admin, orchestrator, provisioners, runners
 from controlplane.wire.common import ErrorEnvelope
 
 _REF = "#/components/schemas/{name}"
@@ -38,9 +38,10 @@ _SIGNED = "signed `cp_{}_<kid>.<base64url claims>.<HMAC-SHA256>` (kid names the 
 _API_KEY_CODES = ("unauthorized", "api-key-revoked", "api-key-expired")
 
 OAK, ADM, MRT = "orchestratorKey", "adminKey", "manualRegistrationToken"
-RS, JL = "runnerSession", "jobLease"
+RS, JL, PT = "runnerSession", "jobLease", "provisionerToken"
 _R = _KNOBS.runners
 _MRT_CODES = ("unauthorized", "registration-token-expired", "manual-registration-token-revoked")
+_PT_CODES = ("unauthorized", "provisioner-token-revoked", "provisioner-token-expired")
 
 # Security scheme -> (tag of its routes, auth error codes, description).
 # fmt: off
@@ -52,6 +53,7 @@ SECURITY: dict[str, tuple[str, tuple[str, ...], str]] = {
          f"runners.session_token_ttl_seconds (default {_R.session_token_ttl_seconds})."),
     JL: ("runners", ("unauthorized",), f"Job lease token, {_SIGNED.format('jl')}; lives "
          f"runners.lease_token_ttl_seconds (default {_R.lease_token_ttl_seconds})."),
+    PT: ("provisioners", _PT_CODES, f"Provisioner token, {_OPAQUE.format('pt')}."),
 }
 # fmt: on
 
@@ -66,6 +68,8 @@ ERRORS: dict[str, tuple[type[errors.ControlPlaneError], str]] = {
     "api-key-expired": (errors.Unauthorized, "the API key expired"),
     "registration-token-expired": (errors.Unauthorized, "the registration token expired"),
     "manual-registration-token-revoked": (errors.Unauthorized, "the token was revoked"),
+    "provisioner-token-revoked": (errors.Unauthorized, "the provisioner token was revoked"),
+    "provisioner-token-expired": (errors.Unauthorized, "the provisioner token expired"),
     "forbidden": (errors.Forbidden, "the key is scoped to another workspace"),
     "not-found": (errors.NotFound, "no such execution, key or token (visible to this key)"),
     "lease-job-mismatch": (errors.LeaseJobMismatch, "the lease is for another execution"),
@@ -175,6 +179,18 @@ OPERATIONS: dict[str, Op] = {
         "Revoke a manual registration token (idempotent)", ADM, None, admin.CredentialOut,
         "not-found"),
     "GET /v1/admin/queue": Op("Queue depth, per workspace", ADM, None, admin.QueueOut),
+    "GET /v1/provisioners/me": Op(
+        "The calling provisioner's identity", PT, None, provisioners.ProvisionerIdentity,
+        "provisioner-token-revoked provisioner-token-expired"),
+    "POST /v1/admin/provisioner-tokens": Op(
+        "Create a provisioner token (workspace_id omitted: installation scope)", ADM,
+        provisioners.CreateProvisionerToken, provisioners.CreatedProvisionerToken, ok=201),
+    "GET /v1/admin/provisioner-tokens": Op(
+        "List provisioner tokens", ADM, None, provisioners.ProvisionerTokenList,
+        query=("workspace_id:tokens",)),
+    "POST /v1/admin/provisioner-tokens/{id}/revoke": Op(
+        "Revoke a provisioner token (idempotent); its unused sessions are revoked too", ADM,
+        None, provisioners.ProvisionerTokenOut, "not-found"),
 }
 # fmt: on
 

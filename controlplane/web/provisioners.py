@@ -1,0 +1,79 @@
+"""Provisioner routes: identity (provisioner token), and token administration (admin key)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from controlplane.store import provisioners
+from controlplane.store.provisioners import Provisioner
+from controlplane.web import auth
+from controlplane.web.edge import json_response, path_uuid, query_uuid, read_json
+from controlplane.wire import provisioners as wire
+
+
+def _out(found: Provisioner) -> wire.ProvisionerTokenOut:
+    return wire.ProvisionerTokenOut(
+        id=found.id,
+        scope=found.scope,  # type: ignore[arg-type]
+        workspace_id=found.workspace_id,
+        name=found.name,
+        display_prefix=found.display_prefix,
+        created_at=found.created_at,
+        expires_at=found.expires_at,
+        revoked_at=found.revoked_at,
+        last_seen_at=found.last_seen_at,
+    )
+
+
+async def me(request: Request) -> Response:
+    found = await auth.provisioner(request)
+    return json_response(
+        wire.ProvisionerIdentity(
+            id=found.id,
+            scope=found.scope,  # type: ignore[arg-type]
+            workspace_id=msgspec.UNSET if found.workspace_id is None else found.workspace_id,
+        )
+    )
+
+
+async def create_token(request: Request) -> Response:
+    svc = auth.services(request)
+    await auth.api_key(request, "admin")
+    body = await read_json(request, wire.CreateProvisionerToken, svc.settings.server.max_body_bytes)
+    ttl = None if body.ttl_seconds is None else timedelta(seconds=body.ttl_seconds)
+    async with svc.pool.acquire() as conn:
+        created, raw = await provisioners.create(
+            conn, name=body.name, workspace_id=body.workspace_id, ttl=ttl
+        )
+    return json_response(wire.CreatedProvisionerToken(provisioner=_out(created), token=raw), 201)
+
+
+async def list_tokens(request: Request) -> Response:
+    svc = auth.services(request)
+    await auth.api_key(request, "admin")
+    workspace = query_uuid(request, "workspace_id")
+    async with svc.pool.acquire() as conn:
+        found = await provisioners.list_all(conn, workspace)
+    return json_response(wire.ProvisionerTokenList(items=[_out(item) for item in found]))
+
+
+async def revoke_token(request: Request) -> Response:
+    svc = auth.services(request)
+    await auth.api_key(request, "admin")
+    token_id = path_uuid(request, "id")
+    async with svc.pool.acquire() as conn:
+        revoked = await provisioners.revoke(conn, token_id)
+    return json_response(_out(revoked))
+
+
+routes = [
+    Route("/v1/provisioners/me", me, methods=["GET"]),
+    Route("/v1/admin/provisioner-tokens", create_token, methods=["POST"]),
+    Route("/v1/admin/provisioner-tokens", list_tokens, methods=["GET"]),
+    Route("/v1/admin/provisioner-tokens/{id}/revoke", revoke_token, methods=["POST"]),
+]
