@@ -126,6 +126,16 @@ def _check(settings: Settings) -> Settings:
             "runners.heartbeat_interval_seconds must be at most half of "
             "runners.stale_lease_threshold_seconds, or live leases would expire"
         )
+    url = settings.database.url
+    if url and not url.startswith(("postgresql://", "postgres://")):
+        raise ConfigError(
+            "database.url must be a postgresql:// URL, or empty for the embedded server"
+        )
+    if not settings.database.embedded_data_dir.strip():
+        raise ConfigError("database.embedded_data_dir must name a folder")
+    host = settings.server.host
+    if not host or host != host.strip() or " " in host:
+        raise ConfigError("server.host must be an address or host name, without spaces")
     if settings.database.pool_min_size > settings.database.pool_max_size:
         raise ConfigError("database.pool_min_size must not exceed database.pool_max_size")
     try:
