@@ -1,8 +1,14 @@
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from uuid import UUID
+
+import anyio
+import asyncpg
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane import metrics
+from controlplane.domain.jobs import ClaimedJob, JobIdentity
 from tests.web.conftest import Api
 
 
@@ -55,3 +61,61 @@ async def test_s101_counters_move_with_their_events(api: Api) -> None:
     assert moved("controlplane_jobs_completed_total", outcome="failed") == 1
     assert moved("controlplane_dispatch_seconds_count", outcome="claimed") == 1
     assert after[("controlplane_listener_connected", ())] == 1
+
+
+def _identity(job: dict[str, str]) -> JobIdentity:
+    return JobIdentity(
+        workspace_id=UUID(job["workspace_id"]),
+        workflow_run_id=UUID(job["workflow_run_id"]),
+        workflow_run_attempt_id=UUID(job["workflow_run_attempt_id"]),
+        job_id=UUID(job["job_id"]),
+        job_execution_id=UUID(job["job_execution_id"]),
+        project_id=UUID(job["project_id"]),
+    )
+
+
+async def test_gauges_and_the_put_back_and_expiry_counters_move(api: Api) -> None:
+    services = api.daemon.services
+    assert services is not None
+    before = await _scrape(api)
+    registered = await api.http.post(
+        "/v1/runners/register",
+        json={"labels": ["linux"]},
+        headers=api.auth(api.registration_token),
+    )
+    session, session_id = registered.json()["session_token"], UUID(registered.json()["session_id"])
+    job = api.job()
+    await api.enqueue(job)
+
+    parked = await api.register(["gpu"])  # waits: nothing needs a gpu
+    async with anyio.create_task_group() as group:
+        group.start_soon(api.request_job, parked, 5)
+        with anyio.fail_after(10):
+            while services.dispatcher.parked == 0:
+                await anyio.sleep(0.01)
+        during = await _scrape(api)
+        group.cancel_scope.cancel()
+    assert during[("controlplane_parked_runners", ())] >= 1
+    assert during[("controlplane_workspace_actors", ())] >= 1
+    assert during[("controlplane_pending_job_executions", ())] >= 1
+
+    assert (await api.request_job(session)).status_code == 200
+    assert (await _scrape(api))[("controlplane_running_job_executions", ())] >= 1
+    now = datetime.now(UTC)
+    undelivered = ClaimedJob(_identity(job), ("linux",), {}, now, now)
+    await services.dispatcher.put_back(undelivered, session_id)  # as if the runner had gone
+    assert (await api.request_job(session)).status_code == 200
+    conn = await asyncpg.connect(api.database_url)
+    try:
+        await conn.execute(
+            "UPDATE running_jobs SET started_at = now() - interval '1 hour',"
+            " last_heartbeat_at = now() - interval '1 hour'"
+        )
+    finally:
+        await conn.close()
+    expired = ("controlplane_leases_expired_total", ())
+    with anyio.fail_after(10):  # the daemon's reaper runs every 0.2 s in tests
+        while (after := await _scrape(api)).get(expired, 0) - before.get(expired, 0) < 1:
+            await anyio.sleep(0.05)
+    put_backs = ("controlplane_put_backs_total", ())
+    assert after[put_backs] - before.get(put_backs, 0) == 1
