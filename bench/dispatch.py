@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from datetime import UTC, datetime
 from typing import Any
 
 import anyio
@@ -19,7 +18,6 @@ import asyncpg
 import httpx
 
 from bench import harness
-from controlplane.domain.jobs import JobIdentity, NewJob
 from controlplane.store import credentials, queue
 
 SAMPLES = 200
@@ -54,21 +52,6 @@ async def baseline(url: str, samples: int) -> list[float]:
         await listener.close()
         await sender.close()
     return latencies
-
-
-def _job(workspace: uuid.UUID) -> NewJob:
-    return NewJob(
-        identity=JobIdentity(
-            workspace_id=workspace,
-            workflow_run_id=uuid.uuid4(),
-            workflow_run_attempt_id=uuid.uuid4(),
-            job_id=uuid.uuid4(),
-            job_execution_id=uuid.uuid4(),
-            project_id=uuid.uuid4(),
-        ),
-        required_labels=("linux",),
-        queued_at=datetime.now(UTC),
-    )
 
 
 async def _parked(clients: list[httpx.AsyncClient]) -> int:
@@ -126,7 +109,7 @@ async def measure(url: str, addresses: list[str], runners: int, samples: int) ->
                 while await _parked(clients) < runners:
                     await anyio.sleep(0.2)
             for _ in range(samples):
-                job = _job(workspace)
+                job = harness.new_job(workspace)
                 event, stamp = anyio.Event(), list[float]()
                 arrivals[job.identity.job_execution_id] = (event, stamp)
                 start = time.perf_counter()
@@ -161,7 +144,7 @@ async def cancel_latency(url: str, address: str, samples: int) -> list[float]:
         )
         session = {"Authorization": f"Bearer {response.json()['session_token']}"}
         for _ in range(samples):
-            job = _job(workspace)
+            job = harness.new_job(workspace)
             await queue.enqueue(conn, [job])
             body = (await client.post("/v1/runners/jobs/request?wait=5", headers=session)).json()
             path = f"/v1/runners/jobs/{body['job_execution_id']}"

@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import asyncpg
 
+from controlplane.domain.jobs import JobIdentity, NewJob
 from controlplane.store import migrations
 from controlplane.store.embedded import EmbeddedPostgres
 
@@ -117,6 +118,22 @@ async def fresh_database(server_url: str) -> str:
     finally:
         await conn.close()
     return url
+
+
+def new_job(workspace: uuid.UUID) -> NewJob:
+    """A fresh execution needing `linux`, queued now."""
+    return NewJob(
+        identity=JobIdentity(
+            workspace_id=workspace,
+            workflow_run_id=uuid.uuid4(),
+            workflow_run_attempt_id=uuid.uuid4(),
+            job_id=uuid.uuid4(),
+            job_execution_id=uuid.uuid4(),
+            project_id=uuid.uuid4(),
+        ),
+        required_labels=("linux",),
+        queued_at=datetime.now(UTC),
+    )
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,36 +23,17 @@ import asyncpg
 import httpx
 
 from bench import harness
-from controlplane.domain.jobs import JobIdentity, NewJob, Outcome, SessionClaims
+from controlplane.domain.jobs import Outcome, SessionClaims
 from controlplane.store import credentials, leases, queue, sessions
 
 RUNNER_COUNTS = (10, 50, 200)
 JOBS = 3000
 
 
-def _jobs(workspace: uuid.UUID, count: int) -> list[NewJob]:
-    now = datetime.now(UTC)
-    return [
-        NewJob(
-            identity=JobIdentity(
-                workspace_id=workspace,
-                workflow_run_id=uuid.uuid4(),
-                workflow_run_attempt_id=uuid.uuid4(),
-                job_id=uuid.uuid4(),
-                job_execution_id=uuid.uuid4(),
-                project_id=uuid.uuid4(),
-            ),
-            required_labels=("linux",),
-            queued_at=now,
-        )
-        for _ in range(count)
-    ]
-
-
 async def _fill(url: str, workspace: uuid.UUID, count: int) -> None:
     conn = await asyncpg.connect(url)
     try:
-        jobs = _jobs(workspace, count)
+        jobs = [harness.new_job(workspace) for _ in range(count)]
         for start in range(0, count, 500):
             await queue.enqueue(conn, jobs[start : start + 500])
     finally:

@@ -34,8 +34,7 @@ def _ttl(seconds: int | None) -> timedelta | None:
 
 
 async def create_api_key(request: Request) -> Response:
-    svc = auth.services(request)
-    await auth.api_key(request, "admin")
+    svc = await auth.admin(request)
     body = await read_json(request, wire.CreateApiKey, svc.settings.server.max_body_bytes)
     if body.kind == "admin" and body.workspace_id is not None:
         raise InvalidInput("admin keys are installation-wide: omit workspace_id")
@@ -51,16 +50,14 @@ async def create_api_key(request: Request) -> Response:
 
 
 async def list_api_keys(request: Request) -> Response:
-    svc = auth.services(request)
-    await auth.api_key(request, "admin")
+    svc = await auth.admin(request)
     async with svc.pool.acquire() as conn:
         found = await credentials.list_api_keys(conn)
     return json_response(wire.CredentialList(items=[_out(item) for item in found]))
 
 
 async def revoke_api_key(request: Request) -> Response:
-    svc = auth.services(request)
-    await auth.api_key(request, "admin")
+    svc = await auth.admin(request)
     key_id = path_uuid(request, "id")
     async with svc.pool.acquire() as conn:
         revoked = await credentials.revoke_api_key(conn, key_id)
@@ -68,8 +65,7 @@ async def revoke_api_key(request: Request) -> Response:
 
 
 async def create_registration_token(request: Request) -> Response:
-    svc = auth.services(request)
-    await auth.api_key(request, "admin")
+    svc = await auth.admin(request)
     body = await read_json(
         request, wire.CreateRegistrationToken, svc.settings.server.max_body_bytes
     )
@@ -81,8 +77,7 @@ async def create_registration_token(request: Request) -> Response:
 
 
 async def list_registration_tokens(request: Request) -> Response:
-    svc = auth.services(request)
-    await auth.api_key(request, "admin")
+    svc = await auth.admin(request)
     workspace = query_uuid(request, "workspace_id")
     async with svc.pool.acquire() as conn:
         found = await credentials.list_manual_tokens(conn, workspace)
@@ -90,8 +85,7 @@ async def list_registration_tokens(request: Request) -> Response:
 
 
 async def revoke_registration_token(request: Request) -> Response:
-    svc = auth.services(request)
-    await auth.api_key(request, "admin")
+    svc = await auth.admin(request)
     token_id = path_uuid(request, "id")
     async with svc.pool.acquire() as conn:
         revoked = await credentials.revoke_manual_token(conn, token_id)
@@ -99,8 +93,7 @@ async def revoke_registration_token(request: Request) -> Response:
 
 
 async def queue_overview(request: Request) -> Response:
-    svc = auth.services(request)
-    await auth.api_key(request, "admin")
+    svc = await auth.admin(request)
     async with svc.pool.acquire() as conn:
         depth = await queries.depth(conn)
         workspaces = await executions.workspaces_with_jobs(conn)

@@ -49,6 +49,12 @@ async def api_key(request: Request, kind: str) -> Credential:
     return found
 
 
+async def admin(request: Request) -> Services:
+    """Authenticate an admin key; the admin routes need nothing else from it."""
+    await api_key(request, "admin")
+    return services(request)
+
+
 def require_workspace(credential: Credential, workspace_id: UUID) -> None:
     if credential.workspace_id is not None and credential.workspace_id != workspace_id:
         raise Forbidden("this key is scoped to another workspace", workspace_id=str(workspace_id))

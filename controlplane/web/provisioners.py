@@ -42,8 +42,7 @@ async def me(request: Request) -> Response:
 
 
 async def create_token(request: Request) -> Response:
-    svc = auth.services(request)
-    await auth.api_key(request, "admin")
+    svc = await auth.admin(request)
     body = await read_json(request, wire.CreateProvisionerToken, svc.settings.server.max_body_bytes)
     ttl = None if body.ttl_seconds is None else timedelta(seconds=body.ttl_seconds)
     async with svc.pool.acquire() as conn:
@@ -54,8 +53,7 @@ async def create_token(request: Request) -> Response:
 
 
 async def list_tokens(request: Request) -> Response:
-    svc = auth.services(request)
-    await auth.api_key(request, "admin")
+    svc = await auth.admin(request)
     workspace = query_uuid(request, "workspace_id")
     async with svc.pool.acquire() as conn:
         found = await provisioners.list_all(conn, workspace)
@@ -63,8 +61,7 @@ async def list_tokens(request: Request) -> Response:
 
 
 async def revoke_token(request: Request) -> Response:
-    svc = auth.services(request)
-    await auth.api_key(request, "admin")
+    svc = await auth.admin(request)
     token_id = path_uuid(request, "id")
     async with svc.pool.acquire() as conn:
         revoked = await provisioners.revoke(conn, token_id)
