@@ -80,8 +80,12 @@ async def http_lifecycle(url: str, addresses: list[str], runners: int, jobs: int
     _, registration = await credentials.create_manual_token(conn, workspace_id=workspace, name="b")
     await conn.close()
     await _fill(url, workspace, jobs)
-    limits = httpx.Limits(max_connections=runners + 10, max_keepalive_connections=runners + 10)
-    clients = [httpx.AsyncClient(base_url=a, timeout=60, limits=limits) for a in addresses]
+    # One client (one connection) per runner, as real runners are: a single shared httpx pool
+    # scans all its connections on every request and made the client the bottleneck.
+    clients = [
+        httpx.AsyncClient(base_url=addresses[index % len(addresses)], timeout=60)
+        for index in range(runners)
+    ]
     done = 0
     finished = anyio.Event()
 
@@ -113,7 +117,7 @@ async def http_lifecycle(url: str, addresses: list[str], runners: int, jobs: int
     start = time.perf_counter()
     async with anyio.create_task_group() as group:
         for index in range(runners):
-            group.start_soon(runner, clients[index % len(clients)])
+            group.start_soon(runner, clients[index])
         await finished.wait()
         elapsed = time.perf_counter() - start
         group.cancel_scope.cancel()
