@@ -31,9 +31,6 @@ class Credential:
     expires_at: datetime | None
     revoked_at: datetime | None
 
-    def usable(self, now: datetime) -> bool:
-        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
-
 
 def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
     return Credential(

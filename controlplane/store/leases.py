@@ -14,7 +14,6 @@ Lock order is the one in store/queue.py. Who may touch an existing running row:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
@@ -358,7 +357,3 @@ async def cancel_session_jobs(conn: Conn, runner_session_id: UUID) -> list[UUID]
             [str(row["job_execution_id"]) for row in rows],
         )
     return [row["job_execution_id"] for row in rows]
-
-
-def stale_rule(threshold_s: float, grace_s: float) -> StaleRule:
-    return StaleRule(threshold=timedelta(seconds=threshold_s), grace=timedelta(seconds=grace_s))

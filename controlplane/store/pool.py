@@ -1,8 +1,8 @@
 """The asyncpg pool, with the settings every connection carries, and error translation.
 
 Every connection gets a statement timeout (so a lock wait can never hang a request forever) and
-an application name. asyncpg errors that mean "the database is not there right now" become
-`Unavailable`; everything else is translated by SQLSTATE where it is raised.
+an application name. Failing to connect becomes `Unavailable`; faults on a live connection
+(lost connection, timeouts) reach the web layer, which answers them with 503 (web/errors.py).
 """
 
 from __future__ import annotations
@@ -93,16 +93,3 @@ async def connect(settings: PoolSettings) -> asyncpg.Connection:
         return await asyncpg.connect(settings.url, server_settings=server_settings(settings))
     except (OSError, asyncpg.PostgresConnectionError) as error:
         raise Unavailable(f"cannot connect to the database: {error}") from error
-
-
-@contextlib.asynccontextmanager
-async def translated() -> AsyncIterator[None]:
-    """Turn connection loss and timeouts into `Unavailable`."""
-    try:
-        yield
-    except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as error:
-        raise Unavailable(f"database unavailable: {error}") from error
-    except asyncpg.QueryCanceledError as error:
-        raise Unavailable(f"database statement timed out: {error}") from error
-    except asyncpg.LockNotAvailableError as error:
-        raise Unavailable(f"database lock wait timed out: {error}") from error
