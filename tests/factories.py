@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -84,15 +84,20 @@ async def capped_session(
 
 
 @asynccontextmanager
-async def holding_lock(url: str, key: int) -> AsyncIterator[asyncpg.Connection]:
-    """Hold a transaction advisory lock on a second connection until the block ends."""
-    conn = await asyncpg.connect(url)
+async def holding(url: str, statement: str, *args: object) -> AsyncIterator[asyncpg.Connection]:
+    """Run `statement` in an open transaction on a second connection until the block ends."""
+    holder = await asyncpg.connect(url)
     try:
-        async with conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock($1)", key)
-            yield conn
+        async with holder.transaction():
+            await holder.execute(statement, *args)
+            yield holder
     finally:
-        await conn.close()
+        await holder.close()
+
+
+def holding_lock(url: str, key: int) -> AbstractAsyncContextManager[asyncpg.Connection]:
+    """Hold a transaction advisory lock on a second connection until the block ends."""
+    return holding(url, "SELECT pg_advisory_xact_lock($1)", key)
 
 
 async def wait_until_blocked(observer: asyncpg.Connection, pid: int) -> None:

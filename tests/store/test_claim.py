@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 from uuid import UUID
 
@@ -19,6 +18,7 @@ from controlplane.store.pool import Conn
 from controlplane.store.records import json_value
 from tests.factories import (
     capped_session,
+    holding,
     holding_lock,
     manual_session,
     minutes_ago,
@@ -145,30 +145,20 @@ async def stale_session(conn: Conn, session: SessionClaims, age: timedelta) -> d
     return stamp
 
 
-@asynccontextmanager
-async def table_locked(url: str, table: str, mode: str) -> AsyncIterator[asyncpg.Connection]:
+def table_locked(
+    url: str, table: str, mode: str
+) -> AbstractAsyncContextManager[asyncpg.Connection]:
     """Hold a table lock from a second connection until the block ends."""
-    conn = await asyncpg.connect(url)
-    try:
-        async with conn.transaction():
-            await conn.execute(f"LOCK TABLE {table} IN {mode} MODE")
-            yield conn
-    finally:
-        await conn.close()
+    return holding(url, f"LOCK TABLE {table} IN {mode} MODE")
 
 
-@asynccontextmanager
-async def session_row_locked(url: str, session_id: UUID) -> AsyncIterator[asyncpg.Connection]:
+def session_row_locked(
+    url: str, session_id: UUID
+) -> AbstractAsyncContextManager[asyncpg.Connection]:
     """Hold a session row FOR UPDATE: a claim by that session stops at its lease insert (the
     foreign key needs a KEY SHARE lock on the row), holding its pending row and execution lock.
     """
-    conn = await asyncpg.connect(url)
-    try:
-        async with conn.transaction():
-            await conn.execute("SELECT 1 FROM runner_sessions WHERE id = $1 FOR UPDATE", session_id)
-            yield conn
-    finally:
-        await conn.close()
+    return holding(url, "SELECT 1 FROM runner_sessions WHERE id = $1 FOR UPDATE", session_id)
 
 
 def running_table_locked(url: str) -> AbstractAsyncContextManager[asyncpg.Connection]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
@@ -22,7 +20,7 @@ from controlplane.domain.jobs import (
 )
 from controlplane.store import leases, locks, queue
 from controlplane.store.pool import Conn
-from tests.factories import holding_lock, manual_session, new_job, wait_until_blocked
+from tests.factories import holding, holding_lock, manual_session, new_job, wait_until_blocked
 
 RULE = StaleRule(threshold=timedelta(seconds=180), grace=timedelta(seconds=60))
 
@@ -132,18 +130,6 @@ async def holds_execution_lock(observer: asyncpg.Connection, pid: int, execution
 
 def ids(reaped: list[EndedLease]) -> list[UUID]:
     return [lease.identity.job_execution_id for lease in reaped]
-
-
-@asynccontextmanager
-async def holding(url: str, statement: str, *args: object) -> AsyncIterator[asyncpg.Connection]:
-    """Run `statement` in an open transaction on a second connection until the block ends."""
-    holder = await asyncpg.connect(url)
-    try:
-        async with holder.transaction():
-            await holder.execute(statement, *args)
-            yield holder
-    finally:
-        await holder.close()
 
 
 async def test_j64_lease_silent_for_600s_is_reaped_with_one_event(

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from uuid import UUID, uuid4
 
 import anyio
@@ -20,7 +18,7 @@ from controlplane.domain.jobs import (
 )
 from controlplane.store import leases, queue
 from controlplane.store.pool import Conn
-from tests.factories import manual_session, new_job, wait_until_blocked
+from tests.factories import holding, manual_session, new_job, wait_until_blocked
 
 
 async def claimed_job(
@@ -52,18 +50,6 @@ async def count(conn: Conn, table: str, execution_id: UUID) -> int:
         f"SELECT count(*) FROM {table} WHERE job_execution_id = $1", execution_id
     )
     return found
-
-
-@asynccontextmanager
-async def holding(url: str, statement: str, *args: object) -> AsyncIterator[asyncpg.Connection]:
-    """Run `statement` in an open transaction on a second connection until the block ends."""
-    holder = await asyncpg.connect(url)
-    try:
-        async with holder.transaction():
-            await holder.execute(statement, *args)
-            yield holder
-    finally:
-        await holder.close()
 
 
 async def test_j54_reconciling_a_pending_execution_deletes_its_row(
