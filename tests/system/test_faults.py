@@ -16,7 +16,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -25,9 +25,9 @@ import asyncpg
 import httpx
 import pytest
 
-from controlplane.store import credentials
 from controlplane.store.embedded import EmbeddedPostgres
 from tests.system.conftest import SpawnDaemon
+from tests.system.wire import job_body, orchestrator_and_registration
 
 pytestmark = pytest.mark.system
 
@@ -40,31 +40,6 @@ FAST_EXPIRY = {
     "CONTROLPLANE_MAINTENANCE_REAPER_INTERVAL_SECONDS": "0.2",
 }
 TERMINAL_EVENTS = ("job.completed", "job.cancelled", "job.lease_expired")
-
-
-async def _credentials(database_url: str, workspace: uuid.UUID) -> tuple[str, str]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        _, orchestrator = await credentials.create_api_key(conn, kind="orchestrator", name="o")
-        _, registration = await credentials.create_manual_token(
-            conn, workspace_id=workspace, name="r"
-        )
-        return orchestrator, registration
-    finally:
-        await conn.close()
-
-
-def _job(workspace: uuid.UUID) -> dict[str, Any]:
-    return {
-        "job_execution_id": str(uuid.uuid4()),
-        "job_id": str(uuid.uuid4()),
-        "workflow_run_id": str(uuid.uuid4()),
-        "workflow_run_attempt_id": str(uuid.uuid4()),
-        "workspace_id": str(workspace),
-        "project_id": str(uuid.uuid4()),
-        "required_labels": ["linux"],
-        "queued_at": datetime.now(UTC).isoformat(),
-    }
 
 
 def _bearer(token: str) -> dict[str, str]:
@@ -156,10 +131,10 @@ async def test_sigkill_replica_with_parked_runners_and_claims_in_flight(
     database_url: str, embedded_server: EmbeddedPostgres, spawn_daemon: SpawnDaemon
 ) -> None:
     workspace = uuid.uuid4()
-    orchestrator, registration = await _credentials(database_url, workspace)
+    orchestrator, registration = await orchestrator_and_registration(database_url, workspace)
     total, per_replica, batch = 300, 20, 20
     kill_from = total // batch // 2 * batch  # hold A's commits from the batch that starts here
-    jobs = [_job(workspace) for _ in range(total)]
+    jobs = [job_body(workspace) for _ in range(total)]
     ledger = Ledger()
     sessions_on_a: set[str] = set()
     role = f"cp_replica_a_{uuid.uuid4().hex[:8]}"
@@ -320,10 +295,10 @@ async def test_postgres_restart_under_load_loses_nothing(
     database_url: str, embedded_server: EmbeddedPostgres, spawn_daemon: SpawnDaemon
 ) -> None:
     workspace = uuid.uuid4()
-    orchestrator, registration = await _credentials(database_url, workspace)
+    orchestrator, registration = await orchestrator_and_registration(database_url, workspace)
     total, batch, runners = 200, 10, 10
-    jobs = [_job(workspace) for _ in range(total)]
-    during_outage = [_job(workspace) for _ in range(5)]
+    jobs = [job_body(workspace) for _ in range(total)]
+    during_outage = [job_body(workspace) for _ in range(5)]
     accepted: dict[str, str] = {}  # execution -> the enqueue result finally answered
     ledger = Ledger()
     statuses: Counter[int] = Counter()  # non-2xx answers seen by anyone, for the report
@@ -524,7 +499,7 @@ async def test_runner_killed_mid_job_lease_expires_once_and_replay_is_ended(
     spawn_daemon: SpawnDaemon, database_url: str
 ) -> None:
     workspace = uuid.uuid4()
-    orchestrator, registration = await _credentials(database_url, workspace)
+    orchestrator, registration = await orchestrator_and_registration(database_url, workspace)
     grace, threshold = 2, 5
     env = {
         **FAST_EXPIRY,
@@ -533,7 +508,7 @@ async def test_runner_killed_mid_job_lease_expires_once_and_replay_is_ended(
     # silent: heartbeats once, then dies. mute: dies before its first heartbeat. alive: keeps
     # heartbeating past the threshold and completes.
     roles = ("silent", "mute", "alive")
-    jobs = {role: _job(workspace) for role in roles}
+    jobs = {role: job_body(workspace) for role in roles}
     db = await asyncpg.connect(database_url)
     try:
         async with (

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from datetime import UTC, datetime
 from typing import Any
 
 import anyio
@@ -12,35 +11,10 @@ import asyncpg
 import httpx
 import pytest
 
-from controlplane.store import credentials
 from tests.system.conftest import SpawnDaemon
+from tests.system.wire import job_body, orchestrator_and_registration
 
 pytestmark = pytest.mark.system
-
-
-async def _credentials(database_url: str, workspace: uuid.UUID) -> tuple[str, str]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        _, orchestrator = await credentials.create_api_key(conn, kind="orchestrator", name="o")
-        _, registration = await credentials.create_manual_token(
-            conn, workspace_id=workspace, name="r"
-        )
-        return orchestrator, registration
-    finally:
-        await conn.close()
-
-
-def _job(workspace: uuid.UUID, labels: list[str]) -> dict[str, Any]:
-    return {
-        "job_execution_id": str(uuid.uuid4()),
-        "job_id": str(uuid.uuid4()),
-        "workflow_run_id": str(uuid.uuid4()),
-        "workflow_run_attempt_id": str(uuid.uuid4()),
-        "workspace_id": str(workspace),
-        "project_id": str(uuid.uuid4()),
-        "required_labels": labels,
-        "queued_at": datetime.now(UTC).isoformat(),
-    }
 
 
 async def _register(client: httpx.AsyncClient, token: str, labels: list[str]) -> str:
@@ -58,7 +32,7 @@ async def test_runner_parked_on_a_gets_job_enqueued_through_b(
     spawn_daemon: SpawnDaemon, database_url: str
 ) -> None:
     workspace = uuid.uuid4()
-    orchestrator, registration = await _credentials(database_url, workspace)
+    orchestrator, registration = await orchestrator_and_registration(database_url, workspace)
     async with (
         spawn_daemon() as replica_a,
         spawn_daemon() as replica_b,
@@ -66,7 +40,7 @@ async def test_runner_parked_on_a_gets_job_enqueued_through_b(
         httpx.AsyncClient(base_url=replica_b.address, timeout=30) as b,
     ):
         session = await _register(a, registration, ["linux"])
-        job = _job(workspace, ["linux"])
+        job = job_body(workspace, ["linux"])
         received: dict[str, Any] = {}
 
         async def park() -> None:
@@ -97,10 +71,10 @@ async def test_thousand_jobs_fifty_runners_two_replicas_none_lost_none_twice(
     spawn_daemon: SpawnDaemon, database_url: str
 ) -> None:
     workspace = uuid.uuid4()
-    orchestrator, registration = await _credentials(database_url, workspace)
+    orchestrator, registration = await orchestrator_and_registration(database_url, workspace)
     total, runners = 1000, 50
     label_sets = [["linux"], ["linux", "x64"], ["gpu", "linux"]]
-    jobs = [_job(workspace, label_sets[i % 3]) for i in range(total)]
+    jobs = [job_body(workspace, label_sets[i % 3]) for i in range(total)]
     delivered: Counter[str] = Counter()
     completed_count = 0
     done = anyio.Event()
