@@ -88,6 +88,16 @@ def new_opaque(kind: Kind) -> Opaque:
     return Opaque(raw=raw, sha256=digest(raw), display_prefix=raw[:DISPLAY_PREFIX_LENGTH])
 
 
+def derived_opaque(kind: Kind, secret: bytes, material: str) -> Opaque:
+    """An opaque token whose random part is HMAC-SHA256(secret, material): the same request
+    derives the same token, so an idempotent create can answer a replay without storing it."""
+    if kind in SIGNED_KINDS:
+        raise ValueError(f"{kind} tokens are signed, not opaque")
+    tail = _b64(hmac.new(secret, material.encode(), hashlib.sha256).digest())
+    raw = f"{PREFIX}_{kind}_{tail}"
+    return Opaque(raw=raw, sha256=digest(raw), display_prefix=raw[:DISPLAY_PREFIX_LENGTH])
+
+
 def parse_opaque(token: str, kind: Kind) -> str:
     """Check shape and kind; return the SHA-256 hex to look up."""
     if kind_of(token) != kind:

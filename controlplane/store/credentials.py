@@ -89,8 +89,9 @@ async def create_api_key(
     name: str,
     workspace_id: UUID | None = None,
     ttl: timedelta | None = None,
+    token: tokens.Opaque | None = None,
 ) -> tuple[Credential, str]:
-    token = tokens.new_opaque(_API_KINDS[kind])
+    token = token or tokens.new_opaque(_API_KINDS[kind])
     row = await conn.fetchrow(
         f"""
         INSERT INTO api_keys (kind, name, workspace_id, token_sha256, display_prefix, expires_at)
@@ -122,6 +123,11 @@ async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | 
     return _credential(row)
 
 
+async def api_key_by_id(conn: Conn, key_id: UUID) -> Credential | None:
+    row = await conn.fetchrow(f"SELECT kind, {_COLUMNS} FROM api_keys WHERE id = $1", key_id)
+    return None if row is None else _credential(row)
+
+
 async def list_api_keys(conn: Conn, kind: str | None = None) -> list[Credential]:
     rows = await conn.fetch(
         f"""
@@ -151,9 +157,14 @@ async def revoke_api_key(conn: Conn, key_id: UUID) -> Credential:
 
 
 async def create_manual_token(
-    conn: Conn, *, workspace_id: UUID, name: str, ttl: timedelta | None = None
+    conn: Conn,
+    *,
+    workspace_id: UUID,
+    name: str,
+    ttl: timedelta | None = None,
+    token: tokens.Opaque | None = None,
 ) -> tuple[Credential, str]:
-    token = tokens.new_opaque(tokens.Kind.MANUAL_REGISTRATION)
+    token = token or tokens.new_opaque(tokens.Kind.MANUAL_REGISTRATION)
     row = await conn.fetchrow(
         f"""
         INSERT INTO manual_registration_tokens
@@ -179,6 +190,13 @@ async def manual_token_by_digest(conn: Conn, sha256: str) -> Credential | None:
     if row is None or not tokens.same_digest(row["token_sha256"], sha256):
         return None
     return _credential(row, "manual-registration")
+
+
+async def manual_token_by_id(conn: Conn, token_id: UUID) -> Credential | None:
+    row = await conn.fetchrow(
+        f"SELECT {_COLUMNS} FROM manual_registration_tokens WHERE id = $1", token_id
+    )
+    return None if row is None else _credential(row, "manual-registration")
 
 
 async def list_manual_tokens(conn: Conn, workspace_id: UUID | None = None) -> list[Credential]:

@@ -13,6 +13,7 @@ Namespaces:
 * ``assignment``: one (provisioner, reservation) pair; several are taken in sorted key order.
 * ``migrations``: the migration runner, as a session lock on a dedicated connection.
 * ``leader``: replica leadership for maintenance, as a session lock on a dedicated connection.
+* ``admin_command``: one (admin key, Idempotency-Key) pair, around an idempotent create.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ WORKSPACE = "cp_workspace"
 ASSIGNMENT = "cp_assignment"
 MIGRATIONS = "cp_migrations"
 LEADER = "cp_leader"
+ADMIN_COMMAND = "cp_admin_command"
 
 
 def key(namespace: str, *parts: UUID | str) -> int:

@@ -47,9 +47,10 @@ async def create(
     name: str,
     workspace_id: UUID | None,
     ttl: timedelta | None = None,
+    token: tokens.Opaque | None = None,
 ) -> tuple[Provisioner, str]:
     """A workspace token when `workspace_id` is given, an installation token otherwise."""
-    token = tokens.new_opaque(tokens.Kind.PROVISIONER)
+    token = token or tokens.new_opaque(tokens.Kind.PROVISIONER)
     row = await conn.fetchrow(
         f"""
         INSERT INTO provisioner_tokens
@@ -75,6 +76,13 @@ async def by_digest(conn: Conn, sha256: str) -> Provisioner | None:
     if row is None or not tokens.same_digest(row["token_sha256"], sha256):
         return None
     return _provisioner(row)
+
+
+async def by_id(conn: Conn, provisioner_id: UUID) -> Provisioner | None:
+    row = await conn.fetchrow(
+        f"SELECT {_COLUMNS} FROM provisioner_tokens WHERE id = $1", provisioner_id
+    )
+    return None if row is None else _provisioner(row)
 
 
 async def touch(conn: Conn, provisioner_id: UUID, throttle: timedelta) -> None:

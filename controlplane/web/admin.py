@@ -8,11 +8,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from controlplane.domain import tokens
 from controlplane.errors import InvalidInput
 from controlplane.store import credentials, executions, queries
 from controlplane.store.credentials import Credential
+from controlplane.store.pool import Conn
 from controlplane.web import auth
 from controlplane.web.edge import json_response, path_uuid, query_uuid, read_json
+from controlplane.web.idempotency import create_once
 from controlplane.wire import admin as wire
 
 
@@ -34,18 +37,27 @@ def _ttl(seconds: int | None) -> timedelta | None:
 
 
 async def create_api_key(request: Request) -> Response:
-    svc = await auth.admin(request)
+    actor = await auth.api_key(request, "admin")
+    svc = auth.services(request)
     body = await read_json(request, wire.CreateApiKey, svc.settings.server.max_body_bytes)
     if body.kind == "admin" and body.workspace_id is not None:
         raise InvalidInput("admin keys are installation-wide: omit workspace_id")
-    async with svc.pool.acquire() as conn:
-        created, raw = await credentials.create_api_key(
+    kind = tokens.Kind.ADMIN_KEY if body.kind == "admin" else tokens.Kind.ORCHESTRATOR_KEY
+
+    async def create(conn: Conn, token: tokens.Opaque | None) -> tuple[Credential, str]:
+        return await credentials.create_api_key(
             conn,
             kind=body.kind,
             name=body.name,
             workspace_id=body.workspace_id,
             ttl=_ttl(body.ttl_seconds),
+            token=token,
         )
+
+    created, raw = await create_once(
+        request, svc, actor, "api_key.create", body, kind, create,
+        credentials.api_key_by_id, lambda found: found.id,
+    )  # fmt: skip
     return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
 
 
@@ -65,14 +77,26 @@ async def revoke_api_key(request: Request) -> Response:
 
 
 async def create_registration_token(request: Request) -> Response:
-    svc = await auth.admin(request)
+    actor = await auth.api_key(request, "admin")
+    svc = auth.services(request)
     body = await read_json(
         request, wire.CreateRegistrationToken, svc.settings.server.max_body_bytes
     )
-    async with svc.pool.acquire() as conn:
-        created, raw = await credentials.create_manual_token(
-            conn, workspace_id=body.workspace_id, name=body.name, ttl=_ttl(body.ttl_seconds)
+
+    async def create(conn: Conn, token: tokens.Opaque | None) -> tuple[Credential, str]:
+        return await credentials.create_manual_token(
+            conn,
+            workspace_id=body.workspace_id,
+            name=body.name,
+            ttl=_ttl(body.ttl_seconds),
+            token=token,
         )
+
+    created, raw = await create_once(
+        request, svc, actor, "registration_token.create", body,
+        tokens.Kind.MANUAL_REGISTRATION, create, credentials.manual_token_by_id,
+        lambda found: found.id,
+    )  # fmt: skip
     return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
 
 

@@ -21,7 +21,7 @@ from typing import Any, cast
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from controlplane import errors
 from controlplane.settings import Settings
@@ -71,6 +71,9 @@ ERRORS: dict[str, tuple[type[errors.ControlPlaneError], str]] = {
     "provisioner-token-revoked": (errors.Unauthorized, "the provisioner token was revoked"),
     "provisioner-token-expired": (errors.Unauthorized, "the provisioner token expired"),
     "forbidden": (errors.Forbidden, "the key is scoped to another workspace"),
+    "idempotency-key-invalid": (errors.InvalidInput, "Idempotency-Key is empty or too long"),
+    "idempotency-key-reused": (errors.Conflict, "the Idempotency-Key was used for another request"),
+    "idempotency-replay-unavailable": (errors.Conflict, "the signing key rotated since the create"),
     "not-found": (errors.NotFound, "no such execution, key or token (visible to this key)"),
     "lease-job-mismatch": (errors.LeaseJobMismatch, "the lease is for another execution"),
     "running-job-execution-not-found": (errors.RunningJobExecutionNotFound,
@@ -134,6 +137,7 @@ _NO_JOB = {
     "headers": _RETRY,
 }
 _LEASE = "lease-job-mismatch running-job-execution-not-found"
+_IDEMPOTENT = "idempotency-key-invalid idempotency-key-reused idempotency-replay-unavailable"
 
 # fmt: off
 OPERATIONS: dict[str, Op] = {
@@ -165,13 +169,14 @@ OPERATIONS: dict[str, Op] = {
         "Read the event feed", OAK, None, orchestrator.EventsResponse,
         "invalid-cursor forbidden", ("after", "limit", "wait:events", "workspace_id")),
     "POST /v1/admin/api-keys": Op(
-        "Create an API key", ADM, admin.CreateApiKey, admin.CreatedCredential, ok=201),
+        "Create an API key", ADM, admin.CreateApiKey, admin.CreatedCredential, _IDEMPOTENT,
+        ok=201),
     "GET /v1/admin/api-keys": Op("List API keys", ADM, None, admin.CredentialList),
     "POST /v1/admin/api-keys/{id}/revoke": Op(
         "Revoke an API key (idempotent)", ADM, None, admin.CredentialOut, "not-found"),
     "POST /v1/admin/registration-tokens": Op(
         "Create a manual registration token", ADM, admin.CreateRegistrationToken,
-        admin.CreatedCredential, ok=201),
+        admin.CreatedCredential, _IDEMPOTENT, ok=201),
     "GET /v1/admin/registration-tokens": Op(
         "List manual registration tokens", ADM, None, admin.CredentialList,
         query=("workspace_id:tokens",)),
@@ -184,7 +189,8 @@ OPERATIONS: dict[str, Op] = {
         "provisioner-token-revoked provisioner-token-expired"),
     "POST /v1/admin/provisioner-tokens": Op(
         "Create a provisioner token (workspace_id omitted: installation scope)", ADM,
-        provisioners.CreateProvisionerToken, provisioners.CreatedProvisionerToken, ok=201),
+        provisioners.CreateProvisionerToken, provisioners.CreatedProvisionerToken, _IDEMPOTENT,
+        ok=201),
     "GET /v1/admin/provisioner-tokens": Op(
         "List provisioner tokens", ADM, None, provisioners.ProvisionerTokenList,
         query=("workspace_id:tokens",)),
@@ -193,6 +199,11 @@ OPERATIONS: dict[str, Op] = {
         None, provisioners.ProvisionerTokenOut, "not-found"),
 }
 # fmt: on
+
+_IDEMPOTENT_NOTE = (
+    "With an `Idempotency-Key` header (1-256 characters), a replay of the same request answers "
+    "the same credential and token; the same key with another body is 409."
+)
 
 # Longer notes, as each operation's description.
 NOTES = {
@@ -210,6 +221,9 @@ NOTES = {
     "POST /v1/jobs/{job_execution_id}/outcome": "An installation-wide key may end an execution "
     "never seen (its tombstone stops a later enqueue); a workspace-scoped key gets 404.",
     "GET /v1/events": "Events after `after`, oldest first; with `wait`, held until one arrives.",
+    "POST /v1/admin/api-keys": _IDEMPOTENT_NOTE,
+    "POST /v1/admin/registration-tokens": _IDEMPOTENT_NOTE,
+    "POST /v1/admin/provisioner-tokens": _IDEMPOTENT_NOTE,
 }
 
 
@@ -292,6 +306,8 @@ def document(routes: Sequence[BaseRoute]) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     seen: set[str] = set()
     for route in routes:
+        if isinstance(route, WebSocketRoute):
+            continue  # OpenAPI has no WebSocket; docs/provisioner-protocol.md describes it
         if not isinstance(route, Route):
             raise ValueError(f"cannot document {route!r}")
         for method in sorted((route.methods or set()) - {"HEAD"}):

@@ -9,10 +9,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from controlplane.domain import tokens
 from controlplane.store import provisioners
+from controlplane.store.pool import Conn
 from controlplane.store.provisioners import Provisioner
 from controlplane.web import auth
 from controlplane.web.edge import json_response, path_uuid, query_uuid, read_json
+from controlplane.web.idempotency import create_once
 from controlplane.wire import provisioners as wire
 
 
@@ -42,13 +45,20 @@ async def me(request: Request) -> Response:
 
 
 async def create_token(request: Request) -> Response:
-    svc = await auth.admin(request)
+    actor = await auth.api_key(request, "admin")
+    svc = auth.services(request)
     body = await read_json(request, wire.CreateProvisionerToken, svc.settings.server.max_body_bytes)
     ttl = None if body.ttl_seconds is None else timedelta(seconds=body.ttl_seconds)
-    async with svc.pool.acquire() as conn:
-        created, raw = await provisioners.create(
-            conn, name=body.name, workspace_id=body.workspace_id, ttl=ttl
+
+    async def create(conn: Conn, token: tokens.Opaque | None) -> tuple[Provisioner, str]:
+        return await provisioners.create(
+            conn, name=body.name, workspace_id=body.workspace_id, ttl=ttl, token=token
         )
+
+    created, raw = await create_once(
+        request, svc, actor, "provisioner_token.create", body, tokens.Kind.PROVISIONER,
+        create, provisioners.by_id, lambda found: found.id,
+    )  # fmt: skip
     return json_response(wire.CreatedProvisionerToken(provisioner=_out(created), token=raw), 201)
 
 
