@@ -97,13 +97,22 @@ async def touch(conn: Conn, provisioner_id: UUID, throttle: timedelta) -> None:
     )
 
 
-async def list_all(conn: Conn, workspace_id: UUID | None = None) -> list[Provisioner]:
+async def list_all(
+    conn: Conn, workspace_id: UUID | None = None, *, seen_within: timedelta | None = None
+) -> list[Provisioner]:
+    """Newest first. With `seen_within`, only live ones: seen that recently, not revoked, not
+    expired (the admin "active provisioners" view)."""
     rows = await conn.fetch(
         f"""
-        SELECT {_COLUMNS} FROM provisioner_tokens WHERE ($1::uuid IS NULL OR workspace_id = $1)
+        SELECT {_COLUMNS} FROM provisioner_tokens
+        WHERE ($1::uuid IS NULL OR workspace_id = $1)
+          AND ($2::interval IS NULL OR (last_seen_at > now() - $2::interval
+                                        AND revoked_at IS NULL
+                                        AND (expires_at IS NULL OR expires_at > now())))
         ORDER BY created_at DESC, id DESC
         """,
         workspace_id,
+        seen_within,
     )
     return [_provisioner(row) for row in rows]
 

@@ -107,3 +107,44 @@ async def lease_active(
         job_id,
     )
     return bool(found)
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveRunner:
+    runner_session_id: UUID
+    workspace_id: UUID
+    kind: str
+    labels: tuple[str, ...]
+    last_seen_at: datetime
+    running: int
+
+
+async def active_runners(
+    conn: Conn, workspace_id: UUID | None, window: timedelta, limit: int = 1000
+) -> list[ActiveRunner]:
+    """Sessions seen (job request, heartbeat) within `window`, most recent first, with how many
+    leases each holds. Liveness stamps are throttled, so `last_seen_at` can lag by that much."""
+    rows = await conn.fetch(
+        """
+        SELECT s.id, s.workspace_id, s.registration_token_kind, s.labels, s.updated_at,
+               (SELECT count(*) FROM running_jobs r WHERE r.runner_session_id = s.id) AS running
+        FROM runner_sessions s
+        WHERE s.updated_at > now() - $2::interval AND ($1::uuid IS NULL OR s.workspace_id = $1)
+        ORDER BY s.updated_at DESC, s.id DESC
+        LIMIT $3
+        """,
+        workspace_id,
+        window,
+        limit,
+    )
+    return [
+        ActiveRunner(
+            runner_session_id=row["id"],
+            workspace_id=row["workspace_id"],
+            kind=row["registration_token_kind"],
+            labels=tuple(row["labels"]),
+            last_seen_at=row["updated_at"],
+            running=row["running"],
+        )
+        for row in rows
+    ]

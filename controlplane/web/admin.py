@@ -14,7 +14,7 @@ from controlplane.store import credentials, executions, queries
 from controlplane.store.credentials import Credential
 from controlplane.store.pool import Conn
 from controlplane.web import auth
-from controlplane.web.edge import json_response, path_uuid, query_uuid, read_json
+from controlplane.web.edge import json_response, path_uuid, query_integer, query_uuid, read_json
 from controlplane.web.idempotency import create_once
 from controlplane.wire import admin as wire
 
@@ -134,7 +134,36 @@ async def queue_overview(request: Request) -> Response:
     )
 
 
+ACTIVE_WINDOW_SECONDS = 60  # as the reference's RUNNER_ACTIVE_WINDOW_SECONDS
+
+
+async def active_runners(request: Request) -> Response:
+    svc = await auth.admin(request)
+    workspace = query_uuid(request, "workspace_id")
+    window = query_integer(
+        request, "window_seconds", low=1, high=86_400, default=ACTIVE_WINDOW_SECONDS
+    )
+    async with svc.pool.acquire() as conn:
+        found = await queries.active_runners(conn, workspace, timedelta(seconds=window))
+    return json_response(
+        wire.ActiveRunners(
+            items=[
+                wire.ActiveRunnerOut(
+                    runner_session_id=runner.runner_session_id,
+                    workspace_id=runner.workspace_id,
+                    mode=runner.kind,
+                    labels=list(runner.labels),
+                    last_seen_at=runner.last_seen_at,
+                    running=runner.running,
+                )
+                for runner in found
+            ]
+        )
+    )
+
+
 routes = [
+    Route("/v1/admin/runners", active_runners, methods=["GET"]),
     Route("/v1/admin/api-keys", create_api_key, methods=["POST"]),
     Route("/v1/admin/api-keys", list_api_keys, methods=["GET"]),
     Route("/v1/admin/api-keys/{id}/revoke", revoke_api_key, methods=["POST"]),

@@ -107,6 +107,16 @@ QUERY: dict[str, dict[str, Any]] = {
     "limit": _query("limit", _LIMIT, "The most events to return."),
     "workspace_id": _query("workspace_id", _UUID, "Only this workspace (scoped key: its own)."),
     "workspace_id:tokens": _query("workspace_id", _UUID, "Only this workspace's tokens."),
+    "window_seconds": _query(
+        "window_seconds",
+        {"type": "integer", "minimum": 1, "maximum": 86400, "default": 60},
+        "Seen within this many seconds.",
+    ),
+    "active": _query(
+        "active",
+        {"type": "string", "enum": ["true", "false"]},
+        "true: only provisioners seen within 120 s, not revoked, not expired.",
+    ),
 }
 
 
@@ -184,6 +194,9 @@ OPERATIONS: dict[str, Op] = {
         "Revoke a manual registration token (idempotent)", ADM, None, admin.CredentialOut,
         "not-found"),
     "GET /v1/admin/queue": Op("Queue depth, per workspace", ADM, None, admin.QueueOut),
+    "GET /v1/admin/runners": Op(
+        "Runners seen recently, with their leases", ADM, None, admin.ActiveRunners,
+        query=("workspace_id:tokens", "window_seconds")),
     "GET /v1/provisioners/me": Op(
         "The calling provisioner's identity", PT, None, provisioners.ProvisionerIdentity,
         "provisioner-token-revoked provisioner-token-expired"),
@@ -193,7 +206,7 @@ OPERATIONS: dict[str, Op] = {
         ok=201),
     "GET /v1/admin/provisioner-tokens": Op(
         "List provisioner tokens", ADM, None, provisioners.ProvisionerTokenList,
-        query=("workspace_id:tokens",)),
+        query=("workspace_id:tokens", "active")),
     "POST /v1/admin/provisioner-tokens/{id}/revoke": Op(
         "Revoke a provisioner token (idempotent); its unused sessions are revoked too", ADM,
         None, provisioners.ProvisionerTokenOut, "not-found"),

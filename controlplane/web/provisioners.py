@@ -10,6 +10,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from controlplane.domain import tokens
+from controlplane.errors import InvalidInput
 from controlplane.store import provisioners
 from controlplane.store.pool import Conn
 from controlplane.store.provisioners import Provisioner
@@ -17,6 +18,9 @@ from controlplane.web import auth
 from controlplane.web.edge import json_response, path_uuid, query_uuid, read_json
 from controlplane.web.idempotency import create_once
 from controlplane.wire import provisioners as wire
+
+# A provisioner seen this recently (and not revoked or expired) is active, as in the reference.
+ACTIVE_WITHIN = timedelta(seconds=120)
 
 
 def _out(found: Provisioner) -> wire.ProvisionerTokenOut:
@@ -65,8 +69,12 @@ async def create_token(request: Request) -> Response:
 async def list_tokens(request: Request) -> Response:
     svc = await auth.admin(request)
     workspace = query_uuid(request, "workspace_id")
+    active = request.query_params.get("active")
+    if active not in (None, "true", "false"):
+        raise InvalidInput("query active must be true or false", field="active")
+    seen_within = ACTIVE_WITHIN if active == "true" else None
     async with svc.pool.acquire() as conn:
-        found = await provisioners.list_all(conn, workspace)
+        found = await provisioners.list_all(conn, workspace, seen_within=seen_within)
     return json_response(wire.ProvisionerTokenList(items=[_out(item) for item in found]))
 
 

@@ -56,3 +56,16 @@ class QueueOut(Strict):
     pending: int
     running: int
     workspaces: list[WorkspaceQueue]
+
+
+class ActiveRunnerOut(Strict):
+    runner_session_id: UUID
+    workspace_id: UUID
+    mode: str
+    labels: list[str]
+    last_seen_at: datetime
+    running: int
+
+
+class ActiveRunners(Strict):
+    items: list[ActiveRunnerOut]
