@@ -28,6 +28,7 @@ import uvicorn
 
 from controlplane import metrics
 from controlplane.actors.cancels import CancelBoard
+from controlplane.actors.control import ControlSessions
 from controlplane.actors.dispatch import Dispatcher
 from controlplane.actors.listener import Listener
 from controlplane.actors.maintenance import Leadership, Maintenance, Retention
@@ -39,6 +40,7 @@ from controlplane.store.embedded import EmbeddedPostgres
 from controlplane.store.events import EVENTS_CHANNEL
 from controlplane.store.leases import CANCEL_CHANNEL
 from controlplane.store.pool import PoolSettings, borrow, connect, create_pool
+from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
 from controlplane.web import app as web_app
 from controlplane.web.services import KeyRing, Services
 
@@ -191,6 +193,7 @@ class Daemon:
             cancels=cancels,
             keys=keys,
             reserved_labels=settings.reserved_labels,
+            control=ControlSessions(),
         )
         self.services = services
 
@@ -205,6 +208,7 @@ class Daemon:
                 queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher),
                 CANCEL_CHANNEL: cancels.notify,
                 EVENTS_CHANNEL: lambda _payload: services.signal_events(),
+                TAKEOVER_CHANNEL: services.control.notify,
             },
             reconnected,
         )

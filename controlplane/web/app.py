@@ -7,7 +7,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from controlplane.errors import ControlPlaneError
-from controlplane.web import admin, health, openapi, orchestrator, provisioners, runners
+from controlplane.web import admin, control, health, openapi, orchestrator, provisioners, runners
 from controlplane.web.errors import (
     DATABASE_FAULTS,
     handle_control_plane_error,
@@ -25,6 +25,7 @@ def build(services: Services) -> Starlette:
             *orchestrator.routes,
             *admin.routes,
             *provisioners.routes,
+            *control.routes,
             Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
         ],
         exception_handlers={

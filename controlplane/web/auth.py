@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 
 from controlplane.domain import tokens
 from controlplane.domain.jobs import JobIdentity, SessionClaims
@@ -25,7 +25,7 @@ log = logging.getLogger("controlplane.auth")
 _API_KINDS = {"orchestrator": tokens.Kind.ORCHESTRATOR_KEY, "admin": tokens.Kind.ADMIN_KEY}
 
 
-def services(request: Request) -> Services:
+def services(request: HTTPConnection) -> Services:
     found: Services = request.app.state.services
     return found
 
@@ -80,7 +80,7 @@ async def manual_registration(request: Request) -> Credential:
     return found
 
 
-async def provisioner(request: Request) -> Provisioner:
+async def provisioner(request: HTTPConnection) -> Provisioner:
     """A provisioner token: revocation is reported before expiry, as the reference does; a
     token expiring at this very instant is expired. Last-seen is stamped, throttled; a failing
     stamp does not fail the request."""

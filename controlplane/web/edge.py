@@ -7,7 +7,7 @@ from uuid import UUID
 
 import anyio
 import msgspec
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 
 from controlplane.errors import InvalidInput, PayloadTooLarge, Unauthorized
@@ -17,7 +17,7 @@ T = TypeVar("T")
 _encoder = msgspec.json.Encoder()
 
 
-def bearer(request: Request) -> str:
+def bearer(request: HTTPConnection) -> str:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     # Exactly "Bearer <token>": anything else (extra spaces, other schemes) is no token.

@@ -10,6 +10,7 @@ import anyio
 import asyncpg
 
 from controlplane.actors.cancels import CancelBoard
+from controlplane.actors.control import ControlSessions
 from controlplane.actors.dispatch import Dispatcher
 from controlplane.actors.listener import Listener
 from controlplane.domain import tokens
@@ -58,6 +59,7 @@ class Services:
     keys: KeyRing
     reserved_labels: LabelSet
     listener: Listener | None = None
+    control: ControlSessions = field(default_factory=ControlSessions)
     clock: Callable[[], datetime] = utc_now
     events_changed: anyio.Event = field(default_factory=anyio.Event)
     closing: bool = False

@@ -1,0 +1,79 @@
+"""The live control session of each provisioner: a generation that fences stale sessions.
+
+Locks: `take_over` upserts one provisioner_sessions row (its row lock) after reading the token
+row without a lock; `fence` updates that one row. Two hellos for one provisioner serialise on
+the row and each gets its own generation; nothing else touches these rows, so no cycle.
+"""
+
+from __future__ import annotations
+
+import enum
+from uuid import UUID
+
+from controlplane.store.pool import Conn
+
+TAKEOVER_CHANNEL = "cp_provisioner_takeover"
+
+
+class Fence(enum.Enum):
+    CURRENT = "current"
+    SUPERSEDED = "superseded"
+    REVOKED = "revoked"
+    EXPIRED = "expired"
+
+
+async def take_over(conn: Conn, provisioner_id: UUID, session_id: UUID) -> int | None:
+    """Make `session_id` the provisioner's live session: one statement bumps the generation and
+    NOTIFYs it (delivered at commit). None when the token was revoked meanwhile."""
+    row = await conn.fetchrow(
+        """
+        WITH bumped AS (
+            INSERT INTO provisioner_sessions (provisioner_id, generation, session_id)
+            SELECT id, 1, $2 FROM provisioner_tokens WHERE id = $1 AND revoked_at IS NULL
+            ON CONFLICT (provisioner_id) DO UPDATE
+                SET generation = provisioner_sessions.generation + 1,
+                    session_id = EXCLUDED.session_id,
+                    connected_at = now(),
+                    last_seen_at = now()
+            RETURNING generation
+        )
+        SELECT generation, pg_notify($3, $1::text || ':' || generation) FROM bumped
+        """,
+        provisioner_id,
+        session_id,
+        TAKEOVER_CHANNEL,
+    )
+    return None if row is None else int(row["generation"])
+
+
+async def fence(conn: Conn, provisioner_id: UUID, generation: int) -> Fence:
+    """Stamp the session's last-seen, only if it still holds the current generation and its
+    token is still valid. The write and the check are one statement: the fencing pattern."""
+    done = await conn.fetchval(
+        """
+        UPDATE provisioner_sessions AS s SET last_seen_at = now()
+        FROM provisioner_tokens AS t
+        WHERE s.provisioner_id = $1 AND s.generation = $2 AND t.id = s.provisioner_id
+          AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > now())
+        RETURNING true
+        """,
+        provisioner_id,
+        generation,
+    )
+    if done:
+        return Fence.CURRENT
+    row = await conn.fetchrow(
+        """
+        SELECT s.generation, t.revoked_at IS NOT NULL AS revoked,
+               t.expires_at IS NOT NULL AND t.expires_at <= now() AS expired
+        FROM provisioner_tokens AS t
+        LEFT JOIN provisioner_sessions AS s ON s.provisioner_id = t.id
+        WHERE t.id = $1
+        """,
+        provisioner_id,
+    )
+    if row is None or row["revoked"]:
+        return Fence.REVOKED
+    if row["generation"] != generation:
+        return Fence.SUPERSEDED
+    return Fence.EXPIRED if row["expired"] else Fence.SUPERSEDED
