@@ -1,7 +1,9 @@
 """Provisioner tokens: create, authenticate, touch last-seen, list, revoke with its cascade.
 
 The token id is the provisioner id. Revocation runs in one transaction: the token row first
-(FOR UPDATE via its UPDATE), then the provisioner's unused capped sessions, in id order. Sessions
+(FOR UPDATE via its UPDATE), then its control-session row (generation bumped and NOTIFYed, so
+the live session closes at once on any replica), then the provisioner's unused capped sessions,
+in id order. Sessions
 that already claimed keep working; an unused one gets `runner-session-exhausted` on its claim.
 Runner instances, bootstrap tokens and control sessions join this cascade when they exist.
 """
@@ -17,6 +19,7 @@ import asyncpg
 from controlplane.domain import tokens
 from controlplane.errors import NotFound
 from controlplane.store.pool import Conn
+from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
 
 _COLUMNS = (
     "id, scope, workspace_id, name, display_prefix, created_at, expires_at, revoked_at, "
@@ -131,6 +134,19 @@ async def revoke(conn: Conn, provisioner_id: UUID) -> Provisioner:
         )
         if row is None:
             raise NotFound("no such provisioner token", id=str(provisioner_id))
+        # Its live control session, on whichever replica, is superseded at once (and finds
+        # the token revoked when it asks why).
+        await conn.execute(
+            """
+            WITH bumped AS (
+                UPDATE provisioner_sessions SET generation = generation + 1
+                WHERE provisioner_id = $1 RETURNING generation
+            )
+            SELECT pg_notify($2, $1::text || ':' || generation) FROM bumped
+            """,
+            provisioner_id,
+            TAKEOVER_CHANNEL,
+        )
         await conn.execute(
             """
             UPDATE runner_sessions SET revoked_at = now()

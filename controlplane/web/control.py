@@ -171,13 +171,19 @@ async def _converse(websocket: WebSocket, svc: Services, found: Provisioner) -> 
     finally:
         if local is not None:
             registry.unregister(local)
-    # Only a takeover cancels the scope.
+    # Only a newer generation cancels the scope: a takeover, or a revocation of the token.
     if local is not None and local.superseded:
+        async with svc.pool.acquire() as conn:
+            verdict = await provisioner_sessions.fence(conn, found.id, local.generation)
         log.info(
             "control.session_superseded",
-            extra={"provisioner_id": str(found.id), "generation": local.generation},
+            extra={
+                "provisioner_id": str(found.id),
+                "generation": local.generation,
+                "why": verdict.value,
+            },
         )
-        return Close(SUPERSEDED, "superseded")
+        return Close(*_FENCE_CLOSE.get(verdict, (SUPERSEDED, "superseded")))
     return Close(GOING_AWAY, "going away")
 
 

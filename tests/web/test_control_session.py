@@ -251,6 +251,20 @@ async def test_revocation_is_seen_by_the_next_message(
     assert await closed_with(ws) == (4403, "provisioner-token-revoked")
 
 
+async def test_revocation_closes_a_live_session_at_once(
+    api: Api, db: asyncpg.Connection, token: tuple[UUID, str]
+) -> None:
+    """No message needed: the revoke supersedes the session on its replica right away."""
+    provisioner_id, raw = token
+    ws = await open_session(api.daemon, raw)
+    await hello(ws)
+    revoked = await api.http.post(
+        f"/v1/admin/provisioner-tokens/{provisioner_id}/revoke", headers=api.auth(api.admin_key)
+    )
+    assert revoked.status_code == 200
+    assert await closed_with(ws) == (4403, "provisioner-token-revoked")
+
+
 async def test_a_silent_session_is_closed(api: Api, token: tuple[UUID, str]) -> None:
     registry(api.daemon).idle_seconds = 0.3
     _, raw = token
