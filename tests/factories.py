@@ -12,9 +12,9 @@ from uuid import UUID
 import anyio
 import asyncpg
 
-from controlplane.domain.jobs import JobIdentity, NewJob, SessionClaims
+from controlplane.domain.jobs import ClaimedJob, JobIdentity, NewJob, SessionClaims
 from controlplane.domain.labels import LabelSet, canonicalise
-from controlplane.store import sessions
+from controlplane.store import queue, sessions
 from controlplane.store.pool import Conn
 
 LINUX_X64: LabelSet = ("linux", "x64")
@@ -46,6 +46,20 @@ def new_job(
 
 def minutes_ago(minutes: float) -> datetime:
     return datetime.now(UTC) - timedelta(minutes=minutes)
+
+
+async def claimed_job(conn: Conn, session: SessionClaims) -> ClaimedJob:
+    await queue.enqueue(conn, [new_job(session.workspace_id)])
+    job = await queue.claim(conn, session)
+    assert job is not None
+    return job
+
+
+async def event_types(conn: Conn, execution_id: UUID) -> list[str]:
+    rows = await conn.fetch(
+        "SELECT event_type FROM events WHERE job_execution_id = $1 ORDER BY seq", execution_id
+    )
+    return [row["event_type"] for row in rows]
 
 
 async def manual_session(

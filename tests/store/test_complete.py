@@ -11,31 +11,15 @@ import asyncpg
 import pytest
 
 from controlplane.domain.jobs import (
-    ClaimedJob,
     EndedLease,
     EnqueueResult,
     Outcome,
-    SessionClaims,
     StaleRule,
 )
 from controlplane.errors import RunningJobExecutionNotFound
 from controlplane.store import leases, queue
 from controlplane.store.pool import Conn
-from tests.factories import manual_session, new_job
-
-
-async def claimed_job(conn: Conn, session: SessionClaims) -> ClaimedJob:
-    await queue.enqueue(conn, [new_job(session.workspace_id)])
-    job = await queue.claim(conn, session)
-    assert job is not None
-    return job
-
-
-async def event_types(conn: Conn, execution_id: UUID) -> list[str]:
-    rows = await conn.fetch(
-        "SELECT event_type FROM events WHERE job_execution_id = $1 ORDER BY seq", execution_id
-    )
-    return [row["event_type"] for row in rows]
+from tests.factories import claimed_job, event_types, manual_session, new_job
 
 
 async def tombstone(conn: Conn, execution_id: UUID) -> asyncpg.Record | None:

@@ -20,16 +20,17 @@ from controlplane.domain.jobs import (
 )
 from controlplane.store import leases, locks, queue
 from controlplane.store.pool import Conn
-from tests.factories import holding, holding_lock, manual_session, new_job, wait_until_blocked
+from tests.factories import (
+    claimed_job,
+    event_types,
+    holding,
+    holding_lock,
+    manual_session,
+    new_job,
+    wait_until_blocked,
+)
 
 RULE = StaleRule(threshold=timedelta(seconds=180), grace=timedelta(seconds=60))
-
-
-async def claimed_job(conn: Conn, session: SessionClaims) -> ClaimedJob:
-    await queue.enqueue(conn, [new_job(session.workspace_id)])
-    job = await queue.claim(conn, session)
-    assert job is not None
-    return job
 
 
 async def set_lease_times(
@@ -63,13 +64,6 @@ async def stale_lease(conn: Conn, session: SessionClaims, seconds: float = 600) 
         conn, job.identity.job_execution_id, started=seconds + 60, first=seconds + 30, last=seconds
     )
     return job
-
-
-async def event_types(conn: Conn, execution_id: UUID) -> list[str]:
-    rows = await conn.fetch(
-        "SELECT event_type FROM events WHERE job_execution_id = $1 ORDER BY seq", execution_id
-    )
-    return [row["event_type"] for row in rows]
 
 
 async def expired_events(conn: Conn) -> list[UUID]:

@@ -18,7 +18,7 @@ from controlplane.domain.jobs import (
 )
 from controlplane.store import leases, queue
 from controlplane.store.pool import Conn
-from tests.factories import holding, manual_session, new_job, wait_until_blocked
+from tests.factories import event_types, holding, manual_session, new_job, wait_until_blocked
 
 
 async def claimed_job(
@@ -29,13 +29,6 @@ async def claimed_job(
     job = await queue.claim(conn, session)
     assert job is not None
     return session, job
-
-
-async def event_types(conn: Conn, execution_id: UUID) -> list[str]:
-    rows = await conn.fetch(
-        "SELECT event_type FROM events WHERE job_execution_id = $1 ORDER BY seq", execution_id
-    )
-    return [row["event_type"] for row in rows]
 
 
 async def tombstone(conn: Conn, execution_id: UUID) -> asyncpg.Record | None:
