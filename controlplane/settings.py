@@ -65,6 +65,7 @@ class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     session_gc_interval_seconds: Annotated[float, msgspec.Meta(ge=1, le=86_400)] = 300.0
     session_gc_batch_size: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 1000
     dispatch_safety_tick_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=600)] = 5.0
+    provisioning_interval_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] = 10.0
     retention_interval_seconds: Annotated[float, msgspec.Meta(ge=1, le=86_400)] = 3600.0
     retention_batch_size: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
     event_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 30
@@ -73,6 +74,24 @@ class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     last_seen_throttle_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 10
+    installation_enabled: bool = True
+    reservation_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 60
+    reservation_ttl_max_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 600
+    demand_safety_tick_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=600)] = 2.0
+    active_window_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 120
+    bootstrap_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
+    control_session_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 3600
+    activation_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
+    assignment_poll_max_wait_seconds: Annotated[int, msgspec.Meta(ge=1, le=300)] = 30
+    demand_activation_timeout_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 300
+    reconcile_terminate_grace_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 120
+    stale_runner_threshold_seconds: Annotated[int, msgspec.Meta(ge=2, le=86_400)] = 300
+    stale_runner_reaper_limit: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 100
+    runner_active_window_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 60
+    ephemeral_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
+    ephemeral_register_rate_limit: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 5
+    ephemeral_register_rate_window_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 60
+    ephemeral_token_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 7
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -138,6 +157,19 @@ def _check(settings: Settings) -> Settings:
         raise ConfigError("server.host must be an address or host name, without spaces")
     if settings.database.pool_min_size > settings.database.pool_max_size:
         raise ConfigError("database.pool_min_size must not exceed database.pool_max_size")
+    prov = settings.provisioners
+    if prov.reservation_ttl_seconds > prov.reservation_ttl_max_seconds:
+        raise ConfigError(
+            "provisioners.reservation_ttl_seconds must not exceed "
+            "provisioners.reservation_ttl_max_seconds"
+        )
+    if prov.stale_runner_threshold_seconds <= max(
+        prov.last_seen_throttle_seconds, runners.liveness_throttle_seconds
+    ):
+        raise ConfigError(
+            "provisioners.stale_runner_threshold_seconds must exceed "
+            "provisioners.last_seen_throttle_seconds and runners.liveness_throttle_seconds"
+        )
     try:
         parse_reserved(runners.reserved_labels)
     except InvalidInput as error:

@@ -335,6 +335,22 @@ def allocate(inputs: AllocationInputs, *, now: datetime) -> Allocation:
     return Allocation(tuple(stats), tuple(new), slots.remaining(), remaining_max, rebound)
 
 
+def without_pending(
+    templates: Sequence[Template], pending: Iterable[tuple[Reservation, int]]
+) -> tuple[Template, ...]:
+    """The templates left once the provisioner's launch units still to be launched are charged
+    to them, most specific reservation first, each to its tightest satisfying templates: the
+    same charging `allocate` applies to the reservations of the workspace it serves. An
+    installation provisioner's round charges its units in every other workspace this way, so a
+    workspace skipped this round (busy) or without demand still holds its slots."""
+    slots = _Slots(templates)
+    for reservation, units in sorted(
+        pending, key=lambda item: (*_specific_first(item[0].labels), item[0].id)
+    ):
+        slots.draw(slots.satisfying(reservation.labels), units)
+    return slots.remaining()
+
+
 def _is_booting(runner: ProvisionedRunner, *, live: Set[UUID]) -> bool:
     """Starting compute no live reservation is waiting for: it will come up idle."""
     return (
