@@ -35,7 +35,7 @@ from controlplane.domain.jobs import (
 )
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.errors import EmptyRequiredLabels, RunnerSessionExhausted
-from controlplane.store import events, locks
+from controlplane.store import events, locks, runner_instances
 from controlplane.store.pool import Conn
 from controlplane.store.records import IDENTITY_COLUMNS, identity, json_text, json_value
 
@@ -170,8 +170,10 @@ async def claim(
 ) -> ClaimedJob | None:
     """Claim the oldest compatible pending execution for `session`, or return None.
 
-    Locks, in order: the session row FOR UPDATE (capped sessions only; serialises claims by one
-    session so the cap holds), then per candidate: the pending row FOR UPDATE SKIP LOCKED (a row
+    Locks, in order: for a provisioned runner's session not yet claimed with, the assignment
+    locks of its reservations (see `runner_instances.lock_first_claim`); the session row FOR
+    UPDATE (capped sessions only; serialises claims by one session so the cap holds), then per
+    candidate: the pending row FOR UPDATE SKIP LOCKED (a row
     another claim holds is skipped), then a *try* of its execution lock. When the try fails the
     head is busy (enqueue, reconcile, complete or reaper hold it): we step to the next compatible
     row, unlike the reference, which returned nothing. We never wait on an execution lock while
@@ -188,6 +190,10 @@ async def claim(
         # Uncapped: each attempt is one autocommitted statement, one round trip.
         return await _claim_attempts(conn, session, liveness_throttle, None, None)
     async with conn.transaction():
+        # A provisioned runner's first claim releases its reservation unit: its assignment locks
+        # come first, before the session row, as in every transaction that takes both (the
+        # provisioner revocation cascade revokes unused sessions under those locks).
+        await runner_instances.lock_first_claim(conn, session.runner_session_id)
         row = await conn.fetchrow(
             """
             UPDATE runner_sessions
@@ -208,9 +214,13 @@ async def claim(
         )
         if not exhausted:
             assert row is not None
-            return await _claim_attempts(
+            claimed = await _claim_attempts(
                 conn, session, liveness_throttle, row["provisioner_id"], row["provider_runner_id"]
             )
+            if claimed is not None and row["provisioner_id"] is not None:
+                # A provisioned runner's first claim gives its reservation unit back (4.14).
+                await runner_instances.release_on_first_claim(conn, session.runner_session_id)
+            return claimed
     # Raised after commit, so the liveness touch of an exhausted session's poll is kept.
     raise RunnerSessionExhausted()
 

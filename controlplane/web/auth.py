@@ -14,9 +14,10 @@ from starlette.requests import HTTPConnection, Request
 from controlplane.domain import tokens
 from controlplane.domain.jobs import JobIdentity, SessionClaims
 from controlplane.errors import Forbidden, Unauthorized
-from controlplane.store import credentials, provisioners
+from controlplane.store import credentials, provisioners, runner_instances
 from controlplane.store.credentials import Credential
 from controlplane.store.provisioners import Provisioner
+from controlplane.store.runner_instances import ActivationGrant, ControlSession
 from controlplane.web.edge import bearer
 from controlplane.web.services import Services
 
@@ -107,6 +108,44 @@ async def provisioner(request: HTTPConnection) -> Provisioner:
                 "provisioner.last_seen_failed",
                 extra={"provisioner_id": str(found.id), "error": type(error).__name__},
             )
+    return found
+
+
+def bearer_kind(request: HTTPConnection) -> tokens.Kind | None:
+    """The kind a well-formed bearer token claims to be, or None (routes taking several kinds
+    dispatch on it; each kind's check then runs in full)."""
+    try:
+        return tokens.kind_of(bearer(request))
+    except Unauthorized:
+        return None
+
+
+async def control_session(request: HTTPConnection) -> ControlSession:
+    """A provisioned runner's control session: open, unexpired, its provisioner not revoked."""
+    svc = services(request)
+    try:
+        digest = tokens.parse_opaque(bearer(request), tokens.Kind.CONTROL_SESSION)
+    except tokens.TokenError as error:
+        raise Unauthorized() from error
+    async with svc.pool.acquire() as conn:
+        found = await runner_instances.control_session_by_digest(conn, digest)
+    if found is None:
+        raise Unauthorized()
+    return found
+
+
+async def activation(request: HTTPConnection) -> ActivationGrant:
+    """An activation token: unconsumed, unrevoked, unexpired, its provisioner not revoked, its
+    runner assigned and not yet activated. Every refusal is a plain `unauthorized`."""
+    svc = services(request)
+    try:
+        digest = tokens.parse_opaque(bearer(request), tokens.Kind.ACTIVATION)
+    except tokens.TokenError as error:
+        raise Unauthorized() from error
+    async with svc.pool.acquire() as conn:
+        found = await runner_instances.activation_by_digest(conn, digest)
+    if found is None:
+        raise Unauthorized()
     return found
 
 

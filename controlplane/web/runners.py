@@ -1,4 +1,5 @@
-"""Runner routes: register, long-poll for a job, heartbeat (held for cancel), complete."""
+"""Runner routes: register (manual or activation token), long-poll for a job, heartbeat (held
+for cancel), complete."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from starlette.routing import Route
 
 from controlplane import metrics
 from controlplane.actors.dispatch import Waiter, WaiterState
+from controlplane.domain import tokens
 from controlplane.domain.jobs import ClaimedJob, Outcome, SessionClaims
 from controlplane.domain.labels import canonicalise, strip_reserved
 from controlplane.errors import (
@@ -21,7 +23,7 @@ from controlplane.errors import (
     RunnerLabelsReserved,
     ShuttingDown,
 )
-from controlplane.store import executions, leases, queue, sessions
+from controlplane.store import executions, leases, queue, runner_instances, sessions
 from controlplane.store.pool import borrow
 from controlplane.web import auth
 from controlplane.web.edge import hold, json_response, path_uuid, query_number, read_json
@@ -46,6 +48,8 @@ def _check_capabilities(capabilities: Capabilities | None) -> None:
 
 
 async def register(request: Request) -> Response:
+    if auth.bearer_kind(request) is tokens.Kind.ACTIVATION:
+        return await _register_activation(request)
     svc = auth.services(request)
     token = await auth.manual_registration(request)
     body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
@@ -74,6 +78,51 @@ async def register(request: Request) -> Response:
             session_id=session.id,
             mode="manual",
             max_claims=None,
+            labels=list(labels),
+            heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,
+            long_poll_max_seconds=svc.settings.runners.long_poll_max_seconds,
+        )
+    )
+
+
+async def _register_activation(request: Request) -> Response:
+    """A provisioned runner trades its activation token for a one-claim session (spec 4.7).
+    Reserved labels are kept for an installation provisioner's runner, stripped otherwise."""
+    svc = auth.services(request)
+    grant = await auth.activation(request)
+    body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
+    _check_capabilities(body.capabilities)
+    supplied = canonicalise(body.labels)
+    labels = supplied
+    if grant.provisioner_scope != "installation":
+        labels = strip_reserved(supplied, svc.reserved_labels)
+    if not labels:
+        raise RunnerLabelsReserved(
+            "every supplied label is reserved for installation provisioners",
+            labels=list(supplied),
+        )
+    async with svc.pool.acquire() as conn:
+        session = await runner_instances.consume_activation(
+            conn,
+            grant,
+            labels=labels,
+            capabilities=None if body.capabilities is None else body.capabilities.as_json(),
+        )
+    claims = SessionClaims(session.id, session.workspace_id, labels, session.max_claims)
+    log.info(
+        "runner.registered",
+        extra={
+            "runner_session_id": str(session.id),
+            "runner_instance_id": str(grant.runner_instance_id),
+            "mode": "activation",
+        },
+    )
+    return json_response(
+        RegisterResponse(
+            session_token=auth.mint_session(svc, claims, svc.clock()),
+            session_id=session.id,
+            mode="activation",
+            max_claims=session.max_claims,
             labels=list(labels),
             heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,
             long_poll_max_seconds=svc.settings.runners.long_poll_max_seconds,

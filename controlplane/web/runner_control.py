@@ -1,0 +1,207 @@
+"""The provisioned runner's boot path: bootstrap exchange, then its control session (enroll,
+attach its provider identity, heartbeat, long-poll for an assignment). Spec 4.3-4.7.
+
+Routes with a body or query validate it before authenticating, as the reference's control-plane
+routes do (a malformed request without a token is 400, not 401).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from controlplane.actors.assignments import AssignmentBoard
+from controlplane.domain.labels import canonicalise, strip_reserved
+from controlplane.errors import InvalidInput, RunnerLabelsReserved
+from controlplane.store import runner_instances
+from controlplane.web import auth
+from controlplane.web.edge import hold as hold_until
+from controlplane.web.edge import json_response, query_integer, read_json
+from controlplane.wire.runner_control import (
+    ActivationResponse,
+    EnrollmentRequest,
+    ExchangeRequest,
+    ExchangeResponse,
+    HeartbeatResponse,
+    ProviderRunnerRequest,
+    ProviderRunnerResponse,
+)
+
+log = logging.getLogger("controlplane.runner_control")
+
+# A parked assignment poll re-reads the database this often even without a notification.
+RECHECK_SECONDS = 1.0
+_WAIT_QUERY_HIGH = 2**31 - 1
+
+
+def board(request: Request) -> AssignmentBoard:
+    """This app's assignment board (one per app; the listener feeds its `notify`)."""
+    state = request.app.state
+    found = getattr(state, "assignments", None)
+    if found is None:
+        found = state.assignments = AssignmentBoard()
+    assert isinstance(found, AssignmentBoard)
+    return found
+
+
+async def exchange(request: Request) -> Response:
+    svc = auth.services(request)
+    body = await read_json(request, ExchangeRequest, svc.settings.server.max_body_bytes)
+    ttl = timedelta(seconds=svc.settings.provisioners.control_session_ttl_seconds)
+    try:
+        async with svc.pool.acquire() as conn:
+            done = await runner_instances.exchange_bootstrap(conn, body.bootstrap_token, ttl)
+    except runner_instances.BootstrapTokenInvalid:
+        log.info("runner.bootstrap_exchange", extra={"outcome": "rejected"})
+        raise
+    log.info(
+        "runner.bootstrap_exchange",
+        extra={"outcome": "accepted", "runner_instance_id": str(done.runner_instance_id)},
+    )
+    return json_response(
+        ExchangeResponse(
+            runner_instance_id=done.runner_instance_id,
+            control_session_token=done.control_session_token,
+            expires_at=done.expires_at,
+        )
+    )
+
+
+async def enrollment(request: Request) -> Response:
+    svc = auth.services(request)
+    body = await read_json(request, EnrollmentRequest, svc.settings.server.max_body_bytes)
+    if body.capabilities is not None and (duplicates := body.capabilities.duplicate_tools()):
+        raise InvalidInput("capabilities list a tool twice", duplicates=duplicates)
+    session = await auth.control_session(request)
+    supplied = canonicalise(body.labels)
+    labels = supplied
+    if session.provisioner_scope != "installation":
+        labels = strip_reserved(supplied, svc.reserved_labels)
+    if not labels:
+        raise RunnerLabelsReserved(
+            "every declared label is reserved for installation provisioners",
+            labels=list(supplied),
+        )
+    ttl = timedelta(seconds=svc.settings.provisioners.activation_token_ttl_seconds)
+    async with svc.pool.acquire() as conn:
+        enrolled = await runner_instances.enroll(
+            conn,
+            session,
+            labels=labels,
+            capabilities=None if body.capabilities is None else body.capabilities.as_json(),
+            provider_kind=body.provider_kind,
+            protocol_version=body.protocol_version,
+            activation_ttl=ttl,
+        )
+    log.info(
+        "runner.enrolled",
+        extra={
+            "runner_instance_id": str(session.runner_instance_id),
+            "activated": enrolled.activation_token is not None,
+            "promotion_failure": enrolled.promotion_failure,
+            "not_issued": enrolled.not_issued,
+        },
+    )
+    return json_response(ActivationResponse(activation_token=enrolled.activation_token))
+
+
+async def provider_runner(request: Request) -> Response:
+    svc = auth.services(request)
+    body = await read_json(request, ProviderRunnerRequest, svc.settings.server.max_body_bytes)
+    session = await auth.control_session(request)
+    async with svc.pool.acquire() as conn:
+        attached = await runner_instances.attach_provider_runner(
+            conn, session.provisioner_id, session.runner_instance_id, body.provider_runner_id
+        )
+    return json_response(ProviderRunnerResponse(attached=attached))
+
+
+async def heartbeat(request: Request) -> Response:
+    svc = auth.services(request)
+    session = await auth.control_session(request)
+    async with svc.pool.acquire() as conn:
+        await runner_instances.heartbeat(conn, session)
+    return json_response(HeartbeatResponse(ok=True))
+
+
+def resolve_wait(requested: int | None, cap: int) -> int:
+    """Seconds an assignment poll may hold: the request's, within 1..cap (absent: cap)."""
+    return max(1, min(cap if requested is None else requested, cap))
+
+
+async def await_activation(
+    read: Callable[[], Awaitable[str | None]],
+    park: Callable[[float], Awaitable[bool]],
+    *,
+    wait: float,
+    interval: float,
+    clock: Callable[[], float],
+) -> str | None:
+    """Read until a token comes or `wait` seconds pass. `park(seconds)` waits for a wake-up or
+    the timeout and returns True when the client went away. Never reads and never parks past
+    the deadline."""
+    deadline = clock() + wait
+    while True:
+        token = await read()
+        if token is not None:
+            return token
+        remaining = deadline - clock()
+        if remaining <= 0:
+            return None
+        if await park(min(interval, remaining)):
+            return None
+        if clock() >= deadline:
+            return None
+
+
+async def assignment(request: Request) -> Response:
+    svc = auth.services(request)
+    if unknown := sorted(set(request.query_params) - {"wait_seconds"}):
+        raise InvalidInput(f"unknown query parameter {unknown[0]}", field=unknown[0])
+    cap = svc.settings.provisioners.assignment_poll_max_wait_seconds
+    raw = request.query_params.get("wait_seconds")
+    requested = None
+    if raw is not None:
+        requested = query_integer(request, "wait_seconds", low=1, high=_WAIT_QUERY_HIGH, default=1)
+    session = await auth.control_session(request)
+    ttl = timedelta(seconds=svc.settings.provisioners.activation_token_ttl_seconds)
+    runner_id = session.runner_instance_id
+    assignments = board(request)
+    armed: list[anyio.Event] = []
+
+    async def read() -> str | None:
+        # Armed before reading: an assignment committed after this read still wakes the park.
+        with assignments.watch(runner_id) as event:
+            armed[:] = [event]
+            async with svc.pool.acquire() as conn:
+                return await runner_instances.poll_activation(conn, runner_id, ttl)
+
+    async def park(seconds: float) -> bool:
+        with assignments.watch(runner_id) as event:
+            if armed and armed[0].is_set():
+                return False
+            return await hold_until(request, event, seconds)
+
+    token = await await_activation(
+        read,
+        park,
+        wait=resolve_wait(requested, cap),
+        interval=RECHECK_SECONDS,
+        clock=anyio.current_time,
+    )
+    return json_response(ActivationResponse(activation_token=token))
+
+
+routes = [
+    Route("/v1/runner-enrollment/exchange", exchange, methods=["POST"]),
+    Route("/v1/runner-control/enrollment", enrollment, methods=["POST"]),
+    Route("/v1/runner-control/provider-runner", provider_runner, methods=["POST"]),
+    Route("/v1/runner-control/heartbeat", heartbeat, methods=["POST"]),
+    Route("/v1/runner-control/assignment", assignment, methods=["GET"]),
+]
