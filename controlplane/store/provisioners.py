@@ -1,11 +1,22 @@
 """Provisioner tokens: create, authenticate, touch last-seen, list, revoke with its cascade.
 
-The token id is the provisioner id. Revocation runs in one transaction: the token row first
-(FOR UPDATE via its UPDATE), then its control-session row (generation bumped and NOTIFYed, so
-the live session closes at once on any replica), then the provisioner's unused capped sessions,
-in id order. Sessions
-that already claimed keep working; an unused one gets `runner-session-exhausted` on its claim.
-Runner instances, bootstrap tokens and control sessions join this cascade when they exist.
+The token id is the provisioner id. Revocation runs in one transaction and, on the first
+revocation only, cascades to everything the provisioner launched (spec 4.13): its bootstrap
+tokens are revoked, its open control sessions closed (`provisioner-revoked`), the unconsumed
+activation tokens of its instances revoked, every instance without a runner session terminated
+(finished ones keep their own end state) and their reservation units released, and its unused
+capped runner sessions revoked. Sessions that already claimed keep working; an unused one gets
+`runner-session-exhausted` on its claim.
+
+Locks, in the global order of `store/reservations.py` (the reference updated runner rows before
+taking any advisory lock, spec 9.5): the workspace lock (`workspace ?? provisioner`, the key its
+reports and reconciles take, and what makes a concurrent second revoke wait and then see the
+first); the assignment locks of its sessionless instances' reservations, then those instance
+rows in id order (`runner_reports.lock_linked_runners`); then the writes: the token row, its
+provisioner-session row (generation bumped and NOTIFYed, so the live session closes at once on
+any replica), token and control-session rows, the instance rows, the reservation rows of the
+release, and last the unused runner sessions in id order. Nothing that holds one of those rows
+waits for an advisory lock or for the token row (auth's last-seen touch is a single statement).
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ from controlplane.domain import tokens
 from controlplane.errors import NotFound
 from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
+from controlplane.store.reservations import lock_workspace
+from controlplane.store.runner_reports import lock_linked_runners, release_terminal
 
 _COLUMNS = (
     "id, scope, workspace_id, name, display_prefix, created_at, expires_at, revoked_at, "
@@ -121,8 +134,33 @@ async def list_all(
 
 
 async def revoke(conn: Conn, provisioner_id: UUID) -> Provisioner:
-    """Idempotent: a second revoke keeps the first time and changes nothing else."""
+    """Idempotent: a second revoke keeps the first time and cascades nothing again."""
     async with conn.transaction():
+        found = await by_id(conn, provisioner_id)
+        if found is None:
+            raise NotFound("no such provisioner token", id=str(provisioner_id))
+        await lock_workspace(conn, found.workspace_id or found.id)
+        # Read again under the lock: a revoke that held it before us has committed by now.
+        found = await by_id(conn, provisioner_id)
+        assert found is not None  # tokens are never deleted
+        first = found.revoked_at is None
+        sessionless: list[UUID] = []
+        if first:
+            sessionless = [
+                row["id"]
+                for row in await conn.fetch(
+                    """
+                    SELECT id FROM runner_instances
+                     WHERE provisioner_id = $1 AND runner_session_id IS NULL
+                       AND (state IN ('starting', 'running', 'stopping')
+                            OR (reservation_released_at IS NULL
+                                AND (reservation_id IS NOT NULL
+                                     OR intended_reservation_id IS NOT NULL)))
+                    """,
+                    provisioner_id,
+                )
+            ]
+            await lock_linked_runners(conn, sessionless)
         row = await conn.fetchrow(
             f"""
             UPDATE provisioner_tokens
@@ -132,8 +170,7 @@ async def revoke(conn: Conn, provisioner_id: UUID) -> Provisioner:
             """,
             provisioner_id,
         )
-        if row is None:
-            raise NotFound("no such provisioner token", id=str(provisioner_id))
+        assert row is not None
         # Its live control session, on whichever replica, is superseded at once (and finds
         # the token revoked when it asks why).
         await conn.execute(
@@ -147,6 +184,8 @@ async def revoke(conn: Conn, provisioner_id: UUID) -> Provisioner:
             provisioner_id,
             TAKEOVER_CHANNEL,
         )
+        if first:
+            await _cascade(conn, provisioner_id, sessionless)
         await conn.execute(
             """
             UPDATE runner_sessions SET revoked_at = now()
@@ -157,3 +196,43 @@ async def revoke(conn: Conn, provisioner_id: UUID) -> Provisioner:
             provisioner_id,
         )
     return _provisioner(row)
+
+
+async def _cascade(conn: Conn, provisioner_id: UUID, sessionless: list[UUID]) -> None:
+    """The boot-path credentials and the sessionless instances of a newly revoked provisioner;
+    the caller holds the instance rows and their assignment locks."""
+    await conn.execute(
+        "UPDATE runner_bootstrap_tokens SET revoked_at = now()"
+        " WHERE provisioner_id = $1 AND revoked_at IS NULL",
+        provisioner_id,
+    )
+    await conn.execute(
+        """
+        UPDATE runner_control_sessions SET closed_at = now(), close_reason = 'provisioner-revoked'
+         WHERE provisioner_id = $1 AND closed_at IS NULL
+        """,
+        provisioner_id,
+    )
+    await conn.execute(
+        """
+        UPDATE runner_activation_tokens SET revoked_at = now()
+         WHERE runner_instance_id IN (SELECT id FROM runner_instances WHERE provisioner_id = $1)
+           AND consumed_at IS NULL AND revoked_at IS NULL
+        """,
+        provisioner_id,
+    )
+    await conn.execute(
+        """
+        UPDATE runner_instances SET state = 'terminated', terminated_at = now(), updated_at = now()
+         WHERE id = ANY($1::uuid[]) AND runner_session_id IS NULL
+           AND state IN ('starting', 'running', 'stopping')
+        """,
+        sessionless,
+    )
+    await release_terminal(
+        conn,
+        workspace_id=None,
+        provisioner_id=provisioner_id,
+        runner_instance_ids=sessionless,
+        require_unlinked_session=False,
+    )
