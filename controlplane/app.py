@@ -31,11 +31,12 @@ from controlplane.actors.cancels import CancelBoard
 from controlplane.actors.control import ControlSessions
 from controlplane.actors.dispatch import Dispatcher
 from controlplane.actors.listener import Listener
-from controlplane.actors.maintenance import Leadership, Maintenance, Retention
+from controlplane.actors.maintenance import Leadership, Maintenance, Provisioning, Retention
+from controlplane.actors.provisioning import DemandBoard
 from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
 from controlplane.domain.labels import canonicalise
 from controlplane.settings import Settings
-from controlplane.store import migrations, queue
+from controlplane.store import migrations, queue, reservations
 from controlplane.store.embedded import EmbeddedPostgres
 from controlplane.store.events import EVENTS_CHANNEL
 from controlplane.store.leases import CANCEL_CHANNEL
@@ -102,14 +103,26 @@ async def migrate(url: str, settings: Settings) -> list[migrations.Migration]:
         await conn.close()
 
 
-def _on_enqueued(dispatcher: Dispatcher) -> Callable[[str], None]:
+def _on_enqueued(dispatcher: Dispatcher, demand: DemandBoard) -> Callable[[str], None]:
     def wake(payload: str) -> None:
         workspace, _, labels = payload.partition("|")
         try:
             workspace_id = UUID(workspace)
         except ValueError:
             return
-        dispatcher.wake(workspace_id, canonicalise(labels.split(",")) if labels else None)
+        label_set = canonicalise(labels.split(",")) if labels else None
+        dispatcher.wake(workspace_id, label_set)
+        demand.wake_workspace(workspace_id, label_set)
+
+    return wake
+
+
+def _on_cancel(cancels: CancelBoard, demand: DemandBoard) -> Callable[[str], None]:
+    def wake(payload: str) -> None:
+        cancels.notify(payload)
+        # A cancelled lease on a provisioned runner is a terminate intent for its provisioner;
+        # the payload names only the execution, so every local provisioner re-checks.
+        demand.wake_all()
 
     return wake
 
@@ -199,16 +212,18 @@ class Daemon:
 
         def reconnected() -> None:
             dispatcher.wake_all()
+            services.demand.wake_all()
             cancels.wake_all()
             services.signal_events()
 
         listener = Listener(
             connection,
             {
-                queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher),
-                CANCEL_CHANNEL: cancels.notify,
+                queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher, services.demand),
+                CANCEL_CHANNEL: _on_cancel(cancels, services.demand),
                 EVENTS_CHANNEL: lambda _payload: services.signal_events(),
                 TAKEOVER_CHANNEL: services.control.notify,
+                reservations.ASSIGNED_CHANNEL: services.assignments.notify,
             },
             reconnected,
         )
@@ -231,6 +246,13 @@ class Daemon:
                 tombstones=timedelta(days=settings.maintenance.tombstone_retention_days),
                 batch=settings.maintenance.retention_batch_size,
                 interval=settings.maintenance.retention_interval_seconds,
+            ),
+            provisioning=Provisioning(
+                interval=settings.maintenance.provisioning_interval_seconds,
+                stale_threshold=timedelta(
+                    seconds=settings.provisioners.stale_runner_threshold_seconds
+                ),
+                reaper_limit=settings.provisioners.stale_runner_reaper_limit,
             ),
         )
         server = _Server(

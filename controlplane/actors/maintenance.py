@@ -1,4 +1,5 @@
-"""Maintenance: the lease reaper, session garbage collection and retention, led by one replica.
+"""Maintenance: the lease reaper, session garbage collection, retention and provisioning upkeep
+(expired reservations, stale runner instances, spent runner credentials), led by one replica.
 
 Every maintenance statement is safe when every replica runs it at once (the reaper try-locks each
 execution, GC skips locked rows), so leadership only avoids waste. The leader holds a session
@@ -19,7 +20,7 @@ import asyncpg
 
 from controlplane import metrics
 from controlplane.domain.jobs import EndedLease, StaleRule
-from controlplane.store import leases, locks, retention, sessions
+from controlplane.store import demand, leases, locks, retention, runner_reports, sessions
 from controlplane.store.pool import PoolSettings, connect
 
 log = logging.getLogger("controlplane.maintenance")
@@ -86,6 +87,17 @@ class Retention:
     interval: float
 
 
+@dataclass(frozen=True)
+class Provisioning:
+    """Expired reservations, stale runner instances, spent runner credentials."""
+
+    interval: float
+    stale_threshold: timedelta
+    reaper_limit: int
+    credential_retention: timedelta = timedelta(days=1)
+    batch: int = 1000
+
+
 class Maintenance:
     def __init__(
         self,
@@ -100,6 +112,7 @@ class Maintenance:
         manual_retention: timedelta,
         capped_retention: timedelta,
         retention: Retention | None = None,
+        provisioning: Provisioning | None = None,
         on_expired: Callable[[list[EndedLease]], None] = lambda _leases: None,
     ) -> None:
         self._pool = pool
@@ -113,6 +126,7 @@ class Maintenance:
         self._capped_retention = capped_retention
         self._on_expired = on_expired
         self._retention = retention
+        self._provisioning = provisioning
         self.expired_total = 0
 
     async def reap_once(self) -> int:
@@ -164,6 +178,40 @@ class Maintenance:
             )
         return (events_deleted, tombstones_deleted)
 
+    async def provision_once(self) -> tuple[int, int, int]:
+        """Delete expired reservations (unbinding unactivated runners), fail stale runner
+        instances and release their units, prune spent runner credentials. Each step is its own
+        transaction and safe on every replica at once. Returns (reservations, reaped, pruned)."""
+        plan = self._provisioning
+        if plan is None:
+            return (0, 0, 0)
+        expired = reaped = pruned = 0
+        async with self._pool.acquire() as conn:
+            while (n := await demand.delete_expired_reservations(conn, plan.batch)) > 0:
+                expired += n
+                if n < plan.batch:
+                    break
+            reaped, released = await runner_reports.reap_stale_runners(
+                conn, threshold=plan.stale_threshold, limit=plan.reaper_limit
+            )
+            pruned = await retention.prune_runner_credentials(
+                conn, plan.credential_retention, plan.batch
+            )
+        if expired or reaped or pruned:
+            log.info(
+                "maintenance.provisioning",
+                extra={
+                    "reservations_expired": expired,
+                    "runners_reaped": reaped,
+                    "units_released": released,
+                    "credentials_pruned": pruned,
+                },
+            )
+        return (expired, reaped, pruned)
+
+    async def _provision(self) -> None:
+        await self.provision_once()
+
     async def _prune(self) -> None:
         await self.prune_once()
 
@@ -180,5 +228,8 @@ class Maintenance:
                 group.start_soon(_every, self._gc_interval, self._leader, self._collect)
                 if self._retention is not None:
                     group.start_soon(_every, self._retention.interval, self._leader, self._prune)
+                if self._provisioning is not None:
+                    interval = self._provisioning.interval
+                    group.start_soon(_every, interval, self._leader, self._provision)
         finally:
             self._leader.step_down()

@@ -2,7 +2,10 @@
 
 Locks: `take_over` upserts one provisioner_sessions row (its row lock) after reading the token
 row without a lock; `fence` updates that one row. Two hellos for one provisioner serialise on
-the row and each gets its own generation; nothing else touches these rows, so no cycle.
+the row and each gets its own generation. `hold_fence` locks the row FOR SHARE as the first lock
+of every write a session makes (advertisement, allocation, instances, reports); a takeover or a
+revocation then waits for that write to commit. Revocation locks the token row before this one,
+and nothing holding this row's share lock ever waits for a token row lock, so no cycle.
 """
 
 from __future__ import annotations
@@ -77,3 +80,26 @@ async def fence(conn: Conn, provisioner_id: UUID, generation: int) -> Fence:
     if row["generation"] != generation:
         return Fence.SUPERSEDED
     return Fence.EXPIRED if row["expired"] else Fence.SUPERSEDED
+
+
+async def hold_fence(conn: Conn, provisioner_id: UUID, generation: int) -> Fence:
+    """Inside a transaction: lock the fencing row FOR SHARE if `generation` is still current
+    and the token still valid, and stamp nothing. The lock is held to commit, so a takeover or
+    a revocation (both UPDATE this row) waits for the writes that follow: they commit under the
+    generation that checked them, or not at all. This is the first lock of every write made on
+    behalf of a control session (before any workspace or reservation lock).
+    """
+    held = await conn.fetchval(
+        """
+        SELECT true FROM provisioner_sessions AS s
+          JOIN provisioner_tokens AS t ON t.id = s.provisioner_id
+         WHERE s.provisioner_id = $1 AND s.generation = $2
+           AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > now())
+           FOR SHARE OF s
+        """,
+        provisioner_id,
+        generation,
+    )
+    if held:
+        return Fence.CURRENT
+    return await fence(conn, provisioner_id, generation)

@@ -48,3 +48,30 @@ async def prune_tombstones(conn: Conn, older_than: timedelta, limit: int) -> int
         limit,
     )
     return deleted
+
+
+async def prune_runner_credentials(conn: Conn, older_than: timedelta, limit: int) -> int:
+    """Delete bootstrap tokens, control sessions and activation tokens that stopped being usable
+    (spent, revoked, closed or expired) more than `older_than` ago, up to `limit` of each. No
+    lock: a credential no longer usable is read by nothing but audit."""
+    deleted = 0
+    for table, dead in (
+        ("runner_bootstrap_tokens", "coalesce(consumed_at, revoked_at, expires_at)"),
+        ("runner_control_sessions", "coalesce(closed_at, expires_at)"),
+        ("runner_activation_tokens", "coalesce(consumed_at, revoked_at, expires_at)"),
+    ):
+        count: int = await conn.fetchval(
+            f"""
+            WITH gone AS (
+                DELETE FROM {table} WHERE id IN (
+                    SELECT id FROM {table} WHERE {dead} < now() - $1::interval
+                     ORDER BY id LIMIT $2)
+                RETURNING 1
+            )
+            SELECT count(*) FROM gone
+            """,
+            older_than,
+            limit,
+        )
+        deleted += count
+    return deleted

@@ -7,7 +7,16 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from controlplane.errors import ControlPlaneError
-from controlplane.web import admin, control, health, openapi, orchestrator, provisioners, runners
+from controlplane.web import (
+    admin,
+    control,
+    health,
+    openapi,
+    orchestrator,
+    provisioners,
+    runner_control,
+    runners,
+)
 from controlplane.web.errors import (
     DATABASE_FAULTS,
     handle_control_plane_error,
@@ -17,7 +26,7 @@ from controlplane.web.errors import (
 from controlplane.web.services import Services
 
 
-def build(services: Services) -> Starlette:
+def build(services: Services | None) -> Starlette:
     app = Starlette(
         routes=[
             *health.routes,
@@ -26,6 +35,7 @@ def build(services: Services) -> Starlette:
             *admin.routes,
             *provisioners.routes,
             *control.routes,
+            *runner_control.routes,
             Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
         ],
         exception_handlers={
@@ -36,4 +46,6 @@ def build(services: Services) -> Starlette:
         },
     )
     app.state.services = services
+    if services is not None:  # None: only the routes are wanted (OpenAPI generation)
+        app.state.assignments = services.assignments  # parked assignment long-polls
     return app

@@ -13,18 +13,23 @@ import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 
 import anyio
+import anyio.abc
 import msgspec
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from controlplane.actors.control import LocalSession
-from controlplane.errors import Unauthorized, Unavailable
-from controlplane.store import provisioner_sessions
+from controlplane.actors.provisioning import Fenced, Limits, ProvisionerActor
+from controlplane.domain.demand import Reservation
+from controlplane.errors import ControlPlaneError, Unauthorized, Unavailable
+from controlplane.store import provisioner_sessions, reservations
 from controlplane.store.provisioner_sessions import Fence
 from controlplane.store.provisioners import Provisioner
 from controlplane.web import auth
+from controlplane.web import control_requests as handlers
 from controlplane.web.errors import DATABASE_FAULTS
 from controlplane.web.services import Services
 from controlplane.wire import control as wire
@@ -33,6 +38,14 @@ log = logging.getLogger("controlplane.control")
 
 MAX_FRAME_BYTES = 64 * 1024
 _UNAVAILABLE: tuple[type[Exception], ...] = (Unavailable, *DATABASE_FAULTS)
+# The peer or the server's transport went away: nothing left to answer.
+_GONE: tuple[type[Exception], ...] = (
+    WebSocketDisconnect,
+    OSError,
+    anyio.ClosedResourceError,
+    anyio.BrokenResourceError,
+)
+_GONE_OR_CLOSED: tuple[type[Exception], ...] = (*_GONE, RuntimeError)
 
 # Close codes (docs/provisioner-protocol.md). 1xxx are the standard ones.
 GOING_AWAY = 1001
@@ -47,6 +60,7 @@ IDLE = 4408
 SUPERSEDED = 4409
 HELLO_FIRST = 4412
 UNSUPPORTED_VERSION = 4426
+FORBIDDEN = 4406
 
 _AUTH_CLOSE = {"provisioner-token-revoked": REVOKED, "provisioner-token-expired": EXPIRED}
 _FENCE_CLOSE = {
@@ -82,7 +96,7 @@ async def session(websocket: WebSocket) -> None:
     await websocket.accept()
     try:
         outcome = await _converse(websocket, svc, found)
-    except (WebSocketDisconnect, OSError):
+    except _GONE:
         return
     except _UNAVAILABLE as error:
         log.warning("control.database_unavailable", extra={"error": type(error).__name__})
@@ -104,74 +118,30 @@ async def _close(websocket: WebSocket, outcome: Close) -> None:
         return
     if websocket.application_state is not WebSocketState.CONNECTED:
         return
-    with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
+    with contextlib.suppress(RuntimeError, *_GONE):
         await websocket.close(outcome.code, _reason(outcome.reason))
 
 
 async def _converse(websocket: WebSocket, svc: Services, found: Provisioner) -> Close | None:
     """Run the session until it ends; the close to send, or None when the client went away."""
     registry = svc.control
-    local: LocalSession | None = None
+    conversation = _Conversation(websocket, svc, found)
+    outcome: Close | None = None
     try:
         with anyio.CancelScope() as scope:
-            while True:
-                with anyio.move_on_after(registry.idle_seconds) as timer:
-                    message = await websocket.receive()
-                if timer.cancelled_caught:
-                    return Close(IDLE, "idle timeout")
-                if message["type"] == "websocket.disconnect":
-                    return None
-                frame = message.get("text")
-                if frame is None:
-                    return Close(BAD_FRAME, "frames must be JSON text")
-                if len(frame) > MAX_FRAME_BYTES or len(frame.encode()) > MAX_FRAME_BYTES:
-                    return Close(TOO_BIG, f"frame exceeds {MAX_FRAME_BYTES} bytes")
-                try:
-                    decoded = wire.decode_client(frame)
-                except msgspec.DecodeError as error:
-                    return Close(BAD_FRAME, str(error))
-                if local is None:
-                    if not isinstance(decoded, wire.Hello):
-                        return Close(HELLO_FIRST, "hello expected first")
-                    if decoded.protocol_version != wire.PROTOCOL_VERSION:
-                        return Close(
-                            UNSUPPORTED_VERSION,
-                            f"protocol_version {wire.PROTOCOL_VERSION} is the only one supported",
-                        )
-                    session_id = uuid.uuid4()
-                    async with svc.pool.acquire() as conn:
-                        generation = await provisioner_sessions.take_over(
-                            conn, found.id, session_id
-                        )
-                    if generation is None:
-                        return Close(REVOKED, "provisioner-token-revoked")
-                    local = LocalSession(found.id, session_id, generation, scope)
-                    registry.register(local)
-                    log.info(
-                        "control.session_started",
-                        extra={"provisioner_id": str(found.id), "generation": generation},
-                    )
-                    await _send(
-                        websocket,
-                        wire.Welcome(
-                            session_id=session_id,
-                            generation=generation,
-                            request_id=decoded.request_id,
-                            idle_timeout_seconds=registry.idle_seconds,
-                        ),
-                    )
-                elif isinstance(decoded, wire.Hello):
-                    return Close(BAD_FRAME, "hello was already received")
-                else:
-                    async with svc.pool.acquire() as conn:
-                        verdict = await provisioner_sessions.fence(conn, found.id, local.generation)
-                    if verdict is not Fence.CURRENT:
-                        return Close(*_FENCE_CLOSE[verdict])
-                    await _send(websocket, wire.Pong(request_id=decoded.request_id))
+            conversation.scope = scope
+            async with anyio.create_task_group() as tasks:
+                conversation.tasks = tasks
+                outcome = await conversation.read()
+                tasks.cancel_scope.cancel()
+            # The actor may have ended the session first (fenced, or a failed round).
+            return conversation.fenced or outcome
     finally:
-        if local is not None:
-            registry.unregister(local)
+        conversation.end()
+        if conversation.local is not None:
+            registry.unregister(conversation.local)
     # Only a newer generation cancels the scope: a takeover, or a revocation of the token.
+    local = conversation.local
     if local is not None and local.superseded:
         async with svc.pool.acquire() as conn:
             verdict = await provisioner_sessions.fence(conn, found.id, local.generation)
@@ -185,6 +155,161 @@ async def _converse(websocket: WebSocket, svc: Services, found: Provisioner) -> 
         )
         return Close(*_FENCE_CLOSE.get(verdict, (SUPERSEDED, "superseded")))
     return Close(GOING_AWAY, "going away")
+
+
+class _Conversation:
+    """One session's state: its fencing generation, its actor, and a lock serialising sends
+    (the reader answers requests while the actor pushes demand)."""
+
+    def __init__(self, websocket: WebSocket, svc: Services, found: Provisioner) -> None:
+        self.websocket = websocket
+        self.svc = svc
+        self.found = found
+        self.local: LocalSession | None = None
+        self.actor: ProvisionerActor | None = None
+        self.scope: anyio.CancelScope | None = None
+        self.tasks: anyio.abc.TaskGroup | None = None
+        self.fenced: Close | None = None
+        self._send_lock = anyio.Lock()
+
+    def end(self) -> None:
+        if self.actor is not None:
+            self.svc.demand.remove(self.actor)
+
+    async def send(self, message: wire.ServerMessage) -> None:
+        async with self._send_lock:
+            await self.websocket.send_text(wire.encode_server(message))
+
+    async def read(self) -> Close | None:
+        registry = self.svc.control
+        while True:
+            with anyio.move_on_after(registry.idle_seconds) as timer:
+                message = await self.websocket.receive()
+            if timer.cancelled_caught:
+                return Close(IDLE, "idle timeout")
+            if message["type"] == "websocket.disconnect":
+                return None
+            frame = message.get("text")
+            if frame is None:
+                return Close(BAD_FRAME, "frames must be JSON text")
+            if len(frame) > MAX_FRAME_BYTES or len(frame.encode()) > MAX_FRAME_BYTES:
+                return Close(TOO_BIG, f"frame exceeds {MAX_FRAME_BYTES} bytes")
+            try:
+                decoded = wire.decode_client(frame)
+            except msgspec.DecodeError as error:
+                return Close(BAD_FRAME, str(error))
+            if self.local is None:
+                if not isinstance(decoded, wire.Hello):
+                    return Close(HELLO_FIRST, "hello expected first")
+                refused = await self._hello(decoded)
+                if refused is not None:
+                    return refused
+                continue
+            if isinstance(decoded, wire.Hello):
+                return Close(BAD_FRAME, "hello was already received")
+            try:
+                await self._request(decoded)
+            except Fenced as error:
+                return Close(*_FENCE_CLOSE[error.verdict])
+
+    async def _hello(self, hello: wire.Hello) -> Close | None:
+        if hello.protocol_version != wire.PROTOCOL_VERSION:
+            return Close(
+                UNSUPPORTED_VERSION,
+                f"protocol_version {wire.PROTOCOL_VERSION} is the only one supported",
+            )
+        svc, found = self.svc, self.found
+        if found.scope == "installation" and not svc.settings.provisioners.installation_enabled:
+            return Close(FORBIDDEN, "forbidden: installation provisioning is disabled")
+        session_id = uuid.uuid4()
+        async with svc.pool.acquire() as conn:
+            generation = await provisioner_sessions.take_over(conn, found.id, session_id)
+            outstanding = (
+                [] if generation is None else await reservations.outstanding_grants(conn, found.id)
+            )
+        if generation is None:
+            return Close(REVOKED, "provisioner-token-revoked")
+        assert self.scope is not None
+        assert self.tasks is not None
+        self.local = LocalSession(found.id, session_id, generation, self.scope)
+        svc.control.register(self.local)
+        log.info(
+            "control.session_started",
+            extra={"provisioner_id": str(found.id), "generation": generation},
+        )
+        await self.send(
+            wire.Welcome(
+                session_id=session_id,
+                generation=generation,
+                request_id=hello.request_id,
+                idle_timeout_seconds=svc.control.idle_seconds,
+                outstanding=[_grant(r, pending) for r, pending in outstanding],
+            )
+        )
+        self.actor = ProvisionerActor(svc.pool, found, generation, _limits(svc), self.send)
+        svc.demand.add(self.actor)
+        self.tasks.start_soon(self._run_actor, self.actor)
+        return None
+
+    async def _run_actor(self, actor: ProvisionerActor) -> None:
+        try:
+            await actor.run()
+        except Fenced as error:
+            self.fenced = Close(*_FENCE_CLOSE[error.verdict])
+        except _GONE_OR_CLOSED:
+            pass  # the socket went away under a push; the reader sees it too
+        except _UNAVAILABLE as error:
+            log.warning("control.database_unavailable", extra={"error": type(error).__name__})
+            self.fenced = Close(TRY_AGAIN_LATER, "unavailable")
+        except Exception:
+            log.exception("control.actor_failed", extra={"provisioner_id": str(self.found.id)})
+            self.fenced = Close(INTERNAL_ERROR, "internal error")
+        assert self.tasks is not None
+        self.tasks.cancel_scope.cancel()
+
+    async def _request(self, message: wire.ClientMessage) -> None:
+        """Answer one request. Each write runs in one transaction whose first lock is the
+        session's fencing row; a refused request changes nothing and leaves the session open."""
+        assert self.local is not None
+        assert self.actor is not None
+        if isinstance(message, wire.Ping):
+            async with self.svc.pool.acquire() as conn:
+                verdict = await provisioner_sessions.fence(
+                    conn, self.found.id, self.local.generation
+                )
+            if verdict is not Fence.CURRENT:
+                raise Fenced(verdict)
+            await self.send(wire.Pong(request_id=message.request_id))
+            return
+        try:
+            answer = await handlers.handle(self.svc, self.found, self.local, self.actor, message)
+        except ControlPlaneError as error:
+            if isinstance(error, Unavailable):
+                raise
+            answer = wire.Error(
+                request_id=message.request_id, code=error.code, message=error.message
+            )
+        await self.send(answer)
+
+
+def _limits(svc: Services) -> Limits:
+    knobs = svc.settings.provisioners
+    return Limits(
+        activation_grace=timedelta(seconds=knobs.reservation_ttl_seconds),
+        activation_timeout=timedelta(seconds=knobs.demand_activation_timeout_seconds),
+        covering_window=timedelta(seconds=knobs.active_window_seconds),
+        tick_seconds=knobs.demand_safety_tick_seconds,
+    )
+
+
+def _grant(reservation: Reservation, pending: int) -> wire.Grant:
+    return wire.Grant(
+        reservation_id=reservation.id,
+        workspace_id=reservation.workspace_id,
+        labels=list(reservation.labels),
+        count=pending,
+        expires_at=reservation.expires_at,
+    )
 
 
 async def _send(websocket: WebSocket, message: wire.ServerMessage) -> None:

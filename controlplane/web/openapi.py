@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -27,7 +27,7 @@ from controlplane import errors
 from controlplane.settings import Settings
 from controlplane.web.edge import json_response
 from controlplane.web.errors import STATUS
-from controlplane.wire import admin, orchestrator, provisioners, runners
+from controlplane.wire import admin, orchestrator, provisioners, runner_control, runners
 from controlplane.wire.common import ErrorEnvelope
 
 _REF = "#/components/schemas/{name}"
@@ -39,6 +39,8 @@ _API_KEY_CODES = ("unauthorized", "api-key-revoked", "api-key-expired")
 
 OAK, ADM, MRT = "orchestratorKey", "adminKey", "manualRegistrationToken"
 RS, JL, PT = "runnerSession", "jobLease", "provisionerToken"
+RAT, RCS = "activationToken", "controlSession"
+_P = _KNOBS.provisioners
 _R = _KNOBS.runners
 _MRT_CODES = ("unauthorized", "registration-token-expired", "manual-registration-token-revoked")
 _PT_CODES = ("unauthorized", "provisioner-token-revoked", "provisioner-token-expired")
@@ -54,6 +56,12 @@ SECURITY: dict[str, tuple[str, tuple[str, ...], str]] = {
     JL: ("runners", ("unauthorized",), f"Job lease token, {_SIGNED.format('jl')}; lives "
          f"runners.lease_token_ttl_seconds (default {_R.lease_token_ttl_seconds})."),
     PT: ("provisioners", _PT_CODES, f"Provisioner token, {_OPAQUE.format('pt')}."),
+    RAT: ("runners", ("unauthorized",), f"Activation token of a provisioned runner, "
+          f"{_OPAQUE.format('rat')}; one use, lives provisioners.activation_token_ttl_seconds "
+          f"(default {_P.activation_token_ttl_seconds})."),
+    RCS: ("provisioned-runners", ("unauthorized",), f"Control session of a provisioned runner, "
+          f"{_OPAQUE.format('rcs')}; lives provisioners.control_session_ttl_seconds (default "
+          f"{_P.control_session_ttl_seconds}), never extended, closed at activation."),
 }
 # fmt: on
 
@@ -63,6 +71,8 @@ ERRORS: dict[str, tuple[type[errors.ControlPlaneError], str]] = {
     "validation-error": (errors.InvalidInput, "a body, path or query value is invalid"),
     "invalid-cursor": (errors.InvalidInput, "`after` is not a `<xid>.<seq>` cursor"),
     "runner-labels-reserved": (errors.InvalidInput, "every supplied label is reserved"),
+    "runner-bootstrap-token-invalid": (errors.Unauthorized,
+                                       "the bootstrap token is unknown, used, revoked or expired"),
     "unauthorized": (errors.Unauthorized, "missing, malformed, wrong-kind, unknown or expired"),
     "api-key-revoked": (errors.Unauthorized, "the API key was revoked"),
     "api-key-expired": (errors.Unauthorized, "the API key expired"),
@@ -75,6 +85,10 @@ ERRORS: dict[str, tuple[type[errors.ControlPlaneError], str]] = {
     "idempotency-key-reused": (errors.Conflict, "the Idempotency-Key was used for another request"),
     "idempotency-replay-unavailable": (errors.Conflict, "the signing key rotated since the create"),
     "not-found": (errors.NotFound, "no such execution, key or token (visible to this key)"),
+    "runner-control-session-invalid": (errors.Conflict,
+                                       "the runner instance is gone, finished or stopping"),
+    "provider-runner-id-taken": (errors.Conflict,
+                                 "another instance of the provisioner has that provider id"),
     "lease-job-mismatch": (errors.LeaseJobMismatch, "the lease is for another execution"),
     "running-job-execution-not-found": (errors.RunningJobExecutionNotFound,
                                         "this session holds no lease on the execution"),
@@ -112,6 +126,13 @@ QUERY: dict[str, dict[str, Any]] = {
         {"type": "integer", "minimum": 1, "maximum": 86400, "default": 60},
         "Seen within this many seconds.",
     ),
+    "wait_seconds": _query(
+        "wait_seconds",
+        {"type": "integer", "minimum": 1},
+        "Seconds to hold the request (at least 1); at most "
+        f"provisioners.assignment_poll_max_wait_seconds (default "
+        f"{_P.assignment_poll_max_wait_seconds}), which is also the default.",
+    ),
     "active": _query(
         "active",
         {"type": "string", "enum": ["true", "false"]},
@@ -133,6 +154,8 @@ class Op:
     ok: int = 200
     also: dict[str, Any] = field(default_factory=dict)  # other non-error responses
     optional_body: bool = False
+    alternative_auth: tuple[str, ...] = ()  # other SECURITY keys the route also accepts
+    tag: str | None = None  # default: the tag of its token kind ("health" without one)
 
 
 _READY = {
@@ -156,8 +179,9 @@ OPERATIONS: dict[str, Op] = {
     "GET /metrics": Op("Prometheus metrics", answer=_TEXT),
     "GET /openapi.json": Op("This document", answer={"type": "object"}),
     "POST /v1/runners/register": Op(
-        "Register a manual runner session", MRT, runners.RegisterRequest,
-        runners.RegisterResponse, "runner-labels-reserved"),
+        "Register a runner session (manual, or a provisioned runner's activation)", MRT,
+        runners.RegisterRequest, runners.RegisterResponse, "runner-labels-reserved",
+        alternative_auth=(RAT,)),
     "POST /v1/runners/jobs/request": Op(
         "Long-poll for a job", RS, None, runners.JobResponse,
         "runner-session-exhausted unavailable", ("wait:job",), also={"204": _NO_JOB}),
@@ -210,6 +234,22 @@ OPERATIONS: dict[str, Op] = {
     "POST /v1/admin/provisioner-tokens/{id}/revoke": Op(
         "Revoke a provisioner token (idempotent); its unused sessions are revoked too", ADM,
         None, provisioners.ProvisionerTokenOut, "not-found"),
+    "POST /v1/runner-enrollment/exchange": Op(
+        "Trade a bootstrap token for a control session", None, runner_control.ExchangeRequest,
+        runner_control.ExchangeResponse, "runner-bootstrap-token-invalid server-error",
+        tag="provisioned-runners"),
+    "POST /v1/runner-control/enrollment": Op(
+        "Enroll: declare labels and metadata; may answer an activation token", RCS,
+        runner_control.EnrollmentRequest, runner_control.ActivationResponse,
+        "runner-labels-reserved runner-control-session-invalid"),
+    "POST /v1/runner-control/provider-runner": Op(
+        "Attach the provider identity (once)", RCS, runner_control.ProviderRunnerRequest,
+        runner_control.ProviderRunnerResponse, "provider-runner-id-taken"),
+    "POST /v1/runner-control/heartbeat": Op(
+        "Control session liveness", RCS, None, runner_control.HeartbeatResponse),
+    "GET /v1/runner-control/assignment": Op(
+        "Long-poll for an assignment; answers an activation token", RCS, None,
+        runner_control.ActivationResponse, query=("wait_seconds",)),
 }
 # fmt: on
 
@@ -221,7 +261,23 @@ _IDEMPOTENT_NOTE = (
 # Longer notes, as each operation's description.
 NOTES = {
     "POST /v1/runners/register": "Labels are canonicalised (trimmed, lower-cased, deduplicated, "
-    "sorted); labels in runners.reserved_labels are dropped.",
+    "sorted); labels in runners.reserved_labels are dropped, except for an activation token of "
+    "an installation provisioner's runner. A manual token gives an uncapped `manual` session; "
+    "an activation token (one use) gives an `activation` session with `max_claims` 1 and "
+    "closes the runner's control session.",
+    "POST /v1/runner-enrollment/exchange": "Unauthenticated; the bootstrap token is the "
+    "credential, usable once before provisioners.bootstrap_token_ttl_seconds (default "
+    f"{_P.bootstrap_token_ttl_seconds}) pass.",
+    "POST /v1/runner-control/enrollment": "The body is validated before the token. The "
+    "instance becomes `running`; labels, capabilities, provider_kind and protocol_version are "
+    "stored while it has no assignment. When it was created for a reservation, that "
+    "reservation is promoted to its assignment and an activation token returned; otherwise, "
+    "or when the promotion fails, `activation_token` is null.",
+    "POST /v1/runner-control/provider-runner": "The body is validated before the token. "
+    "`attached` is false when the instance already has an identity or is finished.",
+    "GET /v1/runner-control/assignment": "The query is validated before the token; unknown "
+    "parameters are 400. Held until the runner is assigned (answers a fresh activation token, "
+    "revoking earlier ones) or `wait_seconds` pass (`activation_token` null).",
     "POST /v1/runners/jobs/request": "No request body is read. Claims the oldest compatible "
     "pending job of the session's workspace; a claim whose client went away is put back.",
     "POST /v1/runners/jobs/{job_execution_id}/heartbeat": "An empty or `null` body is `{}`. "
@@ -250,6 +306,8 @@ def codes(route: Route, op: Op) -> list[str]:
     found = set(op.errors.split())
     if op.auth is not None:
         found.update((*SECURITY[op.auth][1], "server-error"))
+        for other in op.alternative_auth:
+            found.update(SECURITY[other][1])
     if op.body is not None:
         found.update(("validation-error", "payload-too-large"))
     if op.query or route.param_convertors:
@@ -289,12 +347,12 @@ def _operation(route: Route, key: str, op: Op) -> dict[str, Any]:
     out: dict[str, Any] = {
         "operationId": getattr(route.endpoint, "__name__", route.name),
         "summary": op.summary,
-        "tags": [SECURITY[op.auth][0] if op.auth else "health"],
+        "tags": [op.tag or (SECURITY[op.auth][0] if op.auth else "health")],
     }
     if key in NOTES:
         out["description"] = NOTES[key]
     if op.auth is not None:
-        out["security"] = [{op.auth: []}]
+        out["security"] = [{name: []} for name in (op.auth, *op.alternative_auth)]
     path = [
         {"name": name, "in": "path", "required": True, "schema": _UUID}
         for name in route.param_convertors
@@ -367,10 +425,9 @@ async def openapi_json(request: Request) -> Response:
 
 def main() -> None:
     from controlplane.web import app  # imported here: app imports this module
-    from controlplane.web.services import Services
 
     # build() only stores the services on the app state; routes do not need them.
-    sys.stdout.buffer.write(encode(document(app.build(cast(Services, None)).routes)))
+    sys.stdout.buffer.write(encode(document(app.build(None).routes)))
 
 
 if __name__ == "__main__":

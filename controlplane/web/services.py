@@ -9,10 +9,12 @@ from datetime import UTC, datetime, timedelta
 import anyio
 import asyncpg
 
+from controlplane.actors.assignments import AssignmentBoard
 from controlplane.actors.cancels import CancelBoard
 from controlplane.actors.control import ControlSessions
 from controlplane.actors.dispatch import Dispatcher
 from controlplane.actors.listener import Listener
+from controlplane.actors.provisioning import DemandBoard
 from controlplane.domain import tokens
 from controlplane.domain.labels import LabelSet
 from controlplane.settings import Settings
@@ -60,6 +62,8 @@ class Services:
     reserved_labels: LabelSet
     listener: Listener | None = None
     control: ControlSessions = field(default_factory=ControlSessions)
+    demand: DemandBoard = field(default_factory=DemandBoard)
+    assignments: AssignmentBoard = field(default_factory=AssignmentBoard)
     clock: Callable[[], datetime] = utc_now
     events_changed: anyio.Event = field(default_factory=anyio.Event)
     closing: bool = False
