@@ -15,7 +15,9 @@ import anyio
 import msgspec
 
 from controlplane import app, dev, logs, settings
+from controlplane.agent import provisioner as local_provisioner
 from controlplane.agent import queue_client
+from controlplane.agent.provisioner import ProvisionerOptions
 from controlplane.agent.runner import Runner, RunnerOptions
 from controlplane.errors import ControlPlaneError, InvalidInput
 from controlplane.store import credentials, provisioners
@@ -170,9 +172,21 @@ def _labels(raw: str) -> list[str]:
 def _cmd_runner(args: argparse.Namespace) -> int:
     if args.max_idle_seconds < 0:
         raise InvalidInput("--max-idle-seconds must be 0 (for ever) or more")
+    bootstrap = args.bootstrap_token or os.environ.get("CONTROLPLANE_BOOTSTRAP_TOKEN") or None
+    if bootstrap is not None:
+        if args.token or os.environ.get("CONTROLPLANE_RUNNER_TOKEN"):
+            raise InvalidInput("give a registration token or a bootstrap token, not both")
+        bootstrap = _secret(
+            bootstrap, "CONTROLPLANE_BOOTSTRAP_TOKEN", "cp_rbt_", "a bootstrap token"
+        )
+        token = ""
+    else:
+        token = _secret(args.token, "CONTROLPLANE_RUNNER_TOKEN", "cp_mrt_", "a registration token")
     options = RunnerOptions(
         url=args.url,
-        token=_secret(args.token, "CONTROLPLANE_RUNNER_TOKEN", "cp_mrt_", "a registration token"),
+        token=token,
+        bootstrap_token=bootstrap,
+        provider_runner_id=args.provider_runner_id,
         labels=_labels(args.labels),
         once=args.once,
         max_idle_seconds=args.max_idle_seconds,
@@ -196,6 +210,25 @@ def _cmd_enqueue(args: argparse.Namespace) -> int:
             give_up_after=args.timeout,
         )
     )
+
+
+def _cmd_provisioner_local(args: argparse.Namespace) -> int:
+    token = _secret(args.token, "CONTROLPLANE_PROVISIONER_TOKEN", "cp_pt_", "a provisioner token")
+    if not 1 <= args.slots <= 1000:
+        raise InvalidInput("--slots must be between 1 and 1000")
+    if not 0 <= args.idle_target <= args.slots:
+        raise InvalidInput("--idle-target must be between 0 and --slots")
+    options = ProvisionerOptions(
+        url=args.url,
+        token=token,
+        labels=_labels(args.labels),
+        slots=args.slots,
+        idle_target=args.idle_target,
+        template_key=args.template_key,
+        state_file=args.state_file,
+        stop_runners_on_exit=args.stop_runners_on_exit,
+    )
+    return anyio.run(lambda: local_provisioner.run(options))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -222,6 +255,10 @@ heartbeat keeps the lease alive and hears a cancel at once: the group then gets 
 SIGKILL 2 s later, and the job completes `cancelled`. Exit status 0 completes `succeeded`,
 anything else `failed` with the exit code.
 
+Managed mode (--bootstrap-token): trade the bootstrap token for a control session, enroll,
+wait for an assignment, register a one-claim session with the activation token, run that one job
+and exit 0.
+
 Retries: a 401 on the job request registers again with the same token; 5xx and transport errors
 back off with full jitter from 1 s up to 5 s; 409 runner-session-exhausted exits 0; a refused
 registration (400/401/403) exits 1.
@@ -234,6 +271,15 @@ a second one kills the job's process group, completes it `cancelled` and exits 1
         "--token",
         help="manual registration token (cp_mrt_…); default $CONTROLPLANE_RUNNER_TOKEN, which "
         "keeps it out of the process list",
+    )
+    runner.add_argument(
+        "--bootstrap-token",
+        help="managed mode, for a runner a provisioner launched: its one-use bootstrap token "
+        "(cp_rbt_…); default $CONTROLPLANE_BOOTSTRAP_TOKEN. The runner enrolls, waits for an "
+        "assignment, runs one job and exits",
+    )
+    runner.add_argument(
+        "--provider-runner-id", help="managed mode: this machine's identity at its provider"
     )
     runner.add_argument(
         "--labels", required=True, help="comma-separated labels this runner offers, e.g. linux,x64"
@@ -294,6 +340,58 @@ example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait --
     status.add_argument("--key", help="admin API key (cp_adm_…); default $CONTROLPLANE_ADMIN_KEY")
     status.set_defaults(client=_cmd_status)
 
+    provisioner = commands.add_parser(
+        "provisioner",
+        help="run a provisioner",
+        description="Provisioners hold a control session with the control plane and launch "
+        "runners for the demand it grants them.",
+    )
+    kinds = provisioner.add_subparsers(dest="kind", required=True, metavar="KIND")
+    local = kinds.add_parser(
+        "local",
+        help="launch reference runners as local subprocesses",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Hold a control session (WS /v1/provisioners/session) with a provisioner token, advertise one
+template (--labels, --slots free slots, --idle-target idle runners to keep ready), and for each
+grant or warm launch the server pushes, create runner instances and start
+`controlplane runner --bootstrap-token …` subprocesses. Each runner enrolls, is activated, runs
+one job and exits; its state is reported (starting, running, stopped/failed).
+
+Runners survive a restart of the provisioner: their pids are kept in --state-file, and after a
+restart it adopts the live ones and reconciles with the server. SIGTERM/SIGINT stops the
+provisioner and leaves the runners running. Exits 1 when the server refuses the token or
+another process takes the token over (close 4401/4403/4404/4406/4409).""",
+    )
+    local.add_argument("--url", **_from_env("CONTROLPLANE_URL"), help=url_help)
+    local.add_argument(
+        "--token", help="provisioner token (cp_pt_…); default $CONTROLPLANE_PROVISIONER_TOKEN"
+    )
+    local.add_argument("--labels", required=True, help="the template's labels, comma-separated")
+    local.add_argument(
+        "--slots", type=int, default=2, help="runners at most at once (1..1000, default 2)"
+    )
+    local.add_argument(
+        "--idle-target",
+        type=int,
+        default=0,
+        help="idle runners to keep ready for new jobs (0..slots, default 0)",
+    )
+    local.add_argument("--template-key", default="local", help="the template's key")
+    local.add_argument(
+        "--state-file",
+        type=Path,
+        default=Path("var/provisioner-local.json"),
+        help="where the runners' pids are kept across restarts"
+        " (default var/provisioner-local.json)",
+    )
+    local.add_argument(
+        "--stop-runners-on-exit",
+        action="store_true",
+        help="send SIGTERM to the runners when the provisioner stops (default: leave them)",
+    )
+    local.set_defaults(client=_cmd_provisioner_local)
+
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
@@ -325,7 +423,9 @@ def parser() -> argparse.ArgumentParser:
         "also written to <embedded_data_dir>/../dev.env, to source in another shell. Ctrl-C "
         "stops it all.",
     )
-    development.add_argument("--runners", type=int, default=2, help="how many runners (default 2)")
+    development.add_argument(
+        "--runners", type=int, default=2, help="how many runners at most at once (default 2)"
+    )
     development.add_argument(
         "--labels", default="linux", help="the runners' labels, comma-separated (default linux)"
     )

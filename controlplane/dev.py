@@ -1,9 +1,11 @@
 """`controlplane dev`: a whole local control plane in one command.
 
-The daemon runs in this process (embedded PostgreSQL unless a URL is configured); the reference
-runners run as subprocesses registered with a fresh manual token of a fixed dev workspace. The
-credentials are printed and written to `dev.env` beside the embedded data folder, so a second
-shell can `. var/dev.env` and use `controlplane enqueue` and `controlplane status` as they are.
+The daemon runs in this process (embedded PostgreSQL unless a URL is configured); a local
+provisioner (`controlplane provisioner local`, a subprocess) holds a control session for a fixed
+dev workspace and launches reference runners as its own subprocesses for the demand it is
+granted, keeping one idle runner ready. The credentials are printed and written to `dev.env`
+beside the embedded data folder, so a second shell can `. var/dev.env` and use
+`controlplane enqueue`, `controlplane status` and `controlplane runner` as they are.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from anyio.abc import Process
 
 from controlplane import app
 from controlplane.settings import Settings
-from controlplane.store import credentials
+from controlplane.store import credentials, provisioners
 from controlplane.store.pool import connect
 
 DEV_WORKSPACE = uuid.UUID("00000000-0000-4000-8000-00000000d0d0")
@@ -33,6 +35,9 @@ async def _credentials(config: Settings, url: str) -> dict[str, str]:
         _, registration = await credentials.create_manual_token(
             conn, workspace_id=DEV_WORKSPACE, name="dev runners"
         )
+        _, provisioner = await provisioners.create(
+            conn, name="dev local provisioner", workspace_id=DEV_WORKSPACE
+        )
     finally:
         await conn.close()
     return {
@@ -40,6 +45,7 @@ async def _credentials(config: Settings, url: str) -> dict[str, str]:
         "CONTROLPLANE_ORCHESTRATOR_KEY": orchestrator,
         "CONTROLPLANE_ADMIN_KEY": admin,
         "CONTROLPLANE_RUNNER_TOKEN": registration,
+        "CONTROLPLANE_PROVISIONER_TOKEN": provisioner,
     }
 
 
@@ -59,24 +65,39 @@ async def _start(
     env_file = await anyio.to_thread.run_sync(
         _write_env, Path(config.database.embedded_data_dir), values
     )
-    processes: list[Process] = []
-    for _ in range(runners):
-        processes.append(
-            await anyio.open_process(
-                [sys.executable, "-m", "controlplane.cli", "runner", "--labels", labels],
-                env={**os.environ, **values},
-                stdout=None,
-                stderr=None,
-                # Their own session: a Ctrl-C reaches only us, and we stop them once.
-                start_new_session=True,
-            )
+    state_file = env_file.parent / "provisioner.json"
+    processes = [
+        await anyio.open_process(
+            [
+                sys.executable,
+                "-m",
+                "controlplane.cli",
+                "provisioner",
+                "local",
+                "--labels",
+                labels,
+                "--slots",
+                str(runners),
+                "--idle-target",
+                "1",
+                "--state-file",
+                str(state_file),
+                "--stop-runners-on-exit",
+            ],
+            env={**os.environ, **values},
+            stdout=None,
+            stderr=None,
+            # Its own session: a Ctrl-C reaches only us, and we stop it once.
+            start_new_session=True,
         )
+    ]
     sys.stdout.write(
         f"controlplane dev\n"
         f"  API        {address}  (docs: {address}/openapi.json)\n"
         f"  database   {url}\n"
         f"  workspace  {DEV_WORKSPACE}\n"
-        f"  runners    {runners} reference runners with labels {labels}\n"
+        f"  runners    a local provisioner launching up to {runners} reference runners with\n"
+        f"             labels {labels}, one kept idle and ready\n"
         f"  secrets    {env_file}\n\n"
         f"In another shell:\n"
         f"  . {env_file}\n"

@@ -1,5 +1,9 @@
 """The reference runner: register with a manual registration token, long-poll for jobs, run each.
 
+In managed mode (`--bootstrap-token`, launched by a provisioner) it first trades the bootstrap
+token for an activation token (agent/managed.py), registers a one-claim session with it, runs its
+one job and exits 0 when the session is exhausted.
+
 How it treats each answer (spec/surface.md §7, adapted to the long-poll):
 
 * job request 200: run the job (agent/job.py), then ask again.
@@ -29,7 +33,7 @@ import anyio
 import httpx
 import msgspec
 
-from controlplane.agent import api
+from controlplane.agent import api, managed
 from controlplane.agent.backoff import Backoff
 from controlplane.agent.job import Abort, JobRun
 from controlplane.wire.runners import JobResponse, RegisterResponse
@@ -43,10 +47,13 @@ _MAX_RETRY_AFTER_SECONDS = 5.0
 @dataclass(frozen=True)
 class RunnerOptions:
     url: str
-    token: str = field(repr=False)
+    token: str = field(repr=False)  # a manual registration token; empty in managed mode
     labels: list[str]
     once: bool = False
     max_idle_seconds: float = 0.0  # 0: wait for jobs for ever
+    # Managed mode (launched by a provisioner): the one-use bootstrap token it was given.
+    bootstrap_token: str | None = field(default=None, repr=False)
+    provider_runner_id: str | None = None
 
 
 class Transient(Exception):
@@ -207,12 +214,31 @@ class Runner:
             raise Exhausted()
         raise Transient(f"job request: {api.describe(response)}")
 
+    async def _credential(self, http: httpx.AsyncClient) -> str:
+        """The registration token: the manual one, or in managed mode an activation token
+        obtained once through the bootstrap flow (a second registration cannot happen)."""
+        options = self.options
+        if options.bootstrap_token is None:
+            return options.token
+        if self.registrations:
+            raise Fatal("the one-claim session was refused; a managed runner registers once")
+        try:
+            return await managed.activate(
+                http,
+                options.bootstrap_token,
+                options.labels,
+                provider_runner_id=options.provider_runner_id,
+            )
+        except managed.BootstrapRefused as error:
+            raise Fatal(str(error)) from error
+
     async def _register(self, http: httpx.AsyncClient) -> RegisterResponse:
+        token = await self._credential(http)
         try:
             response = await http.post(
                 "/v1/runners/register",
                 json={"labels": self.options.labels},
-                headers=api.bearer(self.options.token),
+                headers=api.bearer(token),
             )
         except httpx.TransportError as error:
             raise Transient(f"register: {type(error).__name__}") from error
