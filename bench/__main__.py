@@ -6,9 +6,9 @@ import sys
 
 import anyio
 
-from bench import dispatch, report, throughput
+from bench import demand, dispatch, report, throughput
 
-BENCHES = {"dispatch": dispatch.run, "throughput": throughput.run}
+BENCHES = {"dispatch": dispatch.run, "demand": demand.run, "throughput": throughput.run}
 
 
 def main(argv: list[str]) -> int:

@@ -68,7 +68,29 @@ def _throughput(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-RENDERERS = {"dispatch": _dispatch, "throughput": _throughput}
+def _demand(result: dict[str, Any]) -> list[str]:
+    base = result["baseline_insert_notify_listen"]
+    lines = [
+        "## Demand latency (enqueue commit to grant received over the control session)",
+        "",
+        f"Machine: {_machine(result)}. Two replicas, workspace provisioners split across them "
+        f"(one workspace each), {result['samples_per_size']} jobs enqueued one at a time per "
+        "size, each into the next provisioner's workspace. Target: p99 under 50 ms.",
+        "",
+        "| connected provisioners | p50 ms | p99 ms | max ms | p50 / baseline | p99 / baseline |",
+        "|---:|---:|---:|---:|---:|---:|",
+        f"| baseline: INSERT+NOTIFY -> LISTEN | {base['p50_ms']} | {base['p99_ms']} | "
+        f"{base['max_ms']} | 1.0 | 1.0 |",
+    ]
+    for size, row in result["sizes"].items():
+        lines.append(
+            f"| {size} | {row['p50_ms']} | {row['p99_ms']} | {row['max_ms']} | "
+            f"{row['p50_ratio_to_baseline']} | {row['p99_ratio_to_baseline']} |"
+        )
+    return [*lines, ""]
+
+
+RENDERERS = {"dispatch": _dispatch, "demand": _demand, "throughput": _throughput}
 
 
 def main() -> None:
