@@ -352,9 +352,11 @@ def without_pending(
 
 
 def _is_booting(runner: ProvisionedRunner, *, live: Set[UUID]) -> bool:
-    """Starting compute no live reservation is waiting for: it will come up idle."""
+    """Compute not enrolled yet (starting, or running by its provider's report but without a
+    control session) that no live reservation is waiting for: it will come up idle."""
     return (
-        runner.state is RunnerState.STARTING
+        (runner.state is RunnerState.STARTING or runner.control_session_expires_at is None)
+        and not runner.state.is_terminal
         and runner.runner_session_id is None
         and not runner.released
         and runner.reservation_id not in live

@@ -164,15 +164,43 @@ async def replace_templates(
 # --- reading the allocation inputs -----------------------------------------------------------
 
 
-async def _demand(conn: Conn, workspace_id: UUID) -> list[DemandGroup]:
+async def _demand_and_reservations(
+    conn: Conn, workspace_id: UUID
+) -> tuple[list[DemandGroup], list[Reservation]]:
+    """The workspace's demand groups and all its reservations, read by one statement."""
     rows = await conn.fetch(
         """
-        SELECT required_labels, count(*) AS queued, min(created_at) AS oldest
+        SELECT 'demand' AS what, NULL::uuid AS id, NULL::uuid AS provisioner_id,
+               required_labels, count(*)::int AS count, min(created_at) AS at, NULL::text AS kind
           FROM pending_jobs WHERE workspace_id = $1 GROUP BY required_labels
+        UNION ALL
+        SELECT 'reservation', id, provisioner_id, required_labels, count, expires_at, kind
+          FROM reservations WHERE workspace_id = $1
         """,
         workspace_id,
     )
-    return [DemandGroup(tuple(r["required_labels"]), r["queued"], r["oldest"]) for r in rows]
+    demand = [
+        DemandGroup(tuple(r["required_labels"]), r["count"], r["at"])
+        for r in rows
+        if r["what"] == "demand"
+    ]
+    reservations = sorted(
+        (
+            Reservation(
+                id=r["id"],
+                workspace_id=workspace_id,
+                provisioner_id=r["provisioner_id"],
+                labels=tuple(r["required_labels"]),
+                count=r["count"],
+                kind=ReservationKind(r["kind"]),
+                expires_at=r["at"],
+            )
+            for r in rows
+            if r["what"] == "reservation"
+        ),
+        key=lambda r: r.id,
+    )
+    return demand, reservations
 
 
 async def _workspace_reservations(conn: Conn, workspace_id: UUID) -> list[Reservation]:
@@ -224,13 +252,15 @@ async def _inputs(
 ) -> AllocationInputs:
     """Steps 3 to 5 of `domain.demand`: demand, the workspace's reservations with this
     provisioner's live ones locked (assignment keys, then rows in id order), its runners."""
-    demand = await _demand(conn, workspace_id)
     seen = await _workspace_reservations(conn, workspace_id)
     own = [r.id for r in seen if r.provisioner_id == provisioner_id and r.is_live(now)]
     await lock_assignments(conn, provisioner_id, own)
     await lock_reservations(conn, own, provisioner_id=provisioner_id)
     # A fresh statement after the locks: the counts of this provisioner's rows are now stable.
-    reservations = await _workspace_reservations(conn, workspace_id)
+    # Demand and reservations come from that one statement, so from one snapshot: a claim that
+    # commits in between (taking a pending job and releasing its unit) is seen whole or not at
+    # all, never as demand whose reservation is already gone (which would grant it again).
+    demand, reservations = await _demand_and_reservations(conn, workspace_id)
     own_live = [r.id for r in reservations if r.provisioner_id == provisioner_id and r.is_live(now)]
     rows = await conn.fetch(
         f"""

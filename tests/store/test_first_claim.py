@@ -1,8 +1,10 @@
-"""A provisioned runner's first claim, through the real claim statement (spec 4.14, J-40).
+"""A provisioned runner's first claim, through the real claim statement (spec 4.14, J-40), and
+how it meets an allocation round.
 
 The claim of a one-claim activation session takes the runner's assignment locks before its
 session row (the order of every transaction that takes both, provisioner revocation included),
-then gives one reservation unit back after the lease is written.
+then gives one reservation unit back after the lease is written. A round that runs meanwhile reads
+demand and reservations from one snapshot, after its own assignment locks.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import asyncpg
 import pytest
 
 from controlplane.domain import tokens
+from controlplane.domain.binding import Scope
+from controlplane.domain.demand import Template
 from controlplane.domain.jobs import SessionClaims
 from controlplane.errors import RunnerSessionExhausted
-from controlplane.store import locks, queue, runner_instances
+from controlplane.store import demand, locks, queue, runner_instances
 from controlplane.store.pool import Conn
 from tests import provisioning
 from tests.factories import holding_lock, new_job, wait_until_blocked
@@ -102,4 +106,49 @@ async def test_the_claim_waits_for_the_assignment_lock_before_locking_its_sessio
             assert free == session
             assert result == []
     assert result[0] is not None
+    assert await conn.fetchval("SELECT count(*) FROM reservations") == 0
+
+
+async def test_a_claim_committing_during_a_round_is_never_granted_again(
+    pool: asyncpg.Pool, conn: Conn, observer: asyncpg.Connection, database_url: str, workspace: UUID
+) -> None:
+    """A round waits on its provisioner's assignment lock while a claim (from the lock holder)
+    takes the last pending job and releases the bound unit that was reserved for it. The round
+    must read demand and reservations after that, from one snapshot: no launch grant for a job
+    that is no longer queued."""
+    p = await provisioning.provisioner(conn, workspace)
+    bound = await provisioning.reservation(
+        conn, workspace_id=workspace, provisioner_id=p.id, kind="bound"
+    )
+    await queue.enqueue(conn, [new_job(workspace)])
+    result: list[demand.WorkspaceRound | None] = []
+    async with pool.acquire() as own:
+
+        async def allocate() -> None:
+            result.append(
+                await demand.allocate_workspace(
+                    own,
+                    provisioner_id=p.id,
+                    scope=Scope.WORKSPACE,
+                    workspace_id=workspace,
+                    templates=[Template("small", ("linux",), available_slots=5)],
+                    max_reservations=5,
+                    launch_ttl=TTL,
+                    activation_grace=TTL,
+                )
+            )
+
+        async with (
+            anyio.create_task_group() as group,
+            holding_lock(database_url, locks.assignment(p.id, bound)) as holder,
+        ):
+            group.start_soon(allocate)
+            await wait_until_blocked(observer, own.get_server_pid())
+            # What a first claim commits: the job leaves the queue, its unit is given back.
+            await holder.execute("DELETE FROM pending_jobs WHERE workspace_id = $1", workspace)
+            await holder.execute("DELETE FROM reservations WHERE id = $1", bound)
+    [round_] = result
+    assert round_ is not None
+    assert round_.grants == ()
+    assert round_.allocation.stats == ()
     assert await conn.fetchval("SELECT count(*) FROM reservations") == 0
