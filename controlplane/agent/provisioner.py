@@ -183,7 +183,11 @@ class LocalProvisioner:
                         group.start_soon(self._ping)
                         await self._reconcile()
                         await self._advertise()
-                        for grant in welcome.get("outstanding", []):
+                        outstanding = welcome.get("outstanding", [])
+                        if outstanding:
+                            units = sum(g["count"] for g in outstanding)
+                            log.info("provisioner.outstanding", extra={"grants": units})
+                        for grant in outstanding:
                             group.start_soon(self._launch, grant["count"], grant["reservation_id"])
                         group.start_soon(self._readvertise_on_change)
                 except BaseExceptionGroup as errors:
@@ -242,6 +246,17 @@ class LocalProvisioner:
     # -- what the server says ----------------------------------------------------------------------
 
     def _on_demand(self, message: dict[str, Any]) -> None:
+        news = ("grants", "warm", "terminate_provider_runner_ids")
+        if any(message.get(key) for key in news):
+            log.info(
+                "provisioner.demand",
+                extra={
+                    "seq": message.get("seq"),
+                    "grants": sum(g["count"] for g in message.get("grants", [])),
+                    "warm": sum(w["count"] for w in message.get("warm", [])),
+                    "terminate": len(message.get("terminate_provider_runner_ids", [])),
+                },
+            )
         for provider_runner_id in message.get("terminate_provider_runner_ids", []):
             self._terminate(provider_runner_id)
         for grant in message.get("grants", []):
