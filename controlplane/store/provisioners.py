@@ -9,14 +9,16 @@ capped runner sessions revoked. Sessions that already claimed keep working; an u
 `runner-session-exhausted` on its claim.
 
 Locks, in the global order of `store/reservations.py` (the reference updated runner rows before
-taking any advisory lock, spec 9.5): the workspace lock (`workspace ?? provisioner`, the key its
-reports and reconciles take, and what makes a concurrent second revoke wait and then see the
-first); the assignment locks of its sessionless instances' reservations, then those instance
-rows in id order (`runner_reports.lock_linked_runners`); then the writes: the token row, its
-provisioner-session row (generation bumped and NOTIFYed, so the live session closes at once on
-any replica), token and control-session rows, the instance rows, the reservation rows of the
-release, and last the unused runner sessions in id order. Nothing that holds one of those rows
-waits for an advisory lock or for the token row (auth's last-seen touch is a single statement).
+taking any advisory lock, spec 9.5): first its provisioner-session (fencing) row, whose
+generation is bumped and NOTIFYed so the live session closes at once on any replica (a session's
+writes hold this row FOR SHARE before their workspace lock, so it must come first here too);
+then the workspace lock (`workspace ?? provisioner`, the key its reports and reconciles take,
+and what makes a concurrent second revoke wait and then see the first); the assignment locks of
+its sessionless instances' reservations, then those instance rows in id order
+(`runner_reports.lock_linked_runners`); then the writes: the token row, token and control-session
+rows, the instance rows, the reservation rows of the release, and last the unused runner
+sessions in id order. Nothing that holds one of those rows waits for an advisory lock or for the
+token row (auth's last-seen touch is a single statement).
 """
 
 from __future__ import annotations
@@ -139,6 +141,21 @@ async def revoke(conn: Conn, provisioner_id: UUID) -> Provisioner:
         found = await by_id(conn, provisioner_id)
         if found is None:
             raise NotFound("no such provisioner token", id=str(provisioner_id))
+        # First lock: the control session's fencing row (a session's writes hold it FOR SHARE
+        # before any workspace lock, so taking it after ours would deadlock with them). Its live
+        # session, on whichever replica, is superseded at commit and finds the token revoked
+        # when it asks why.
+        await conn.execute(
+            """
+            WITH bumped AS (
+                UPDATE provisioner_sessions SET generation = generation + 1
+                WHERE provisioner_id = $1 RETURNING generation
+            )
+            SELECT pg_notify($2, $1::text || ':' || generation) FROM bumped
+            """,
+            provisioner_id,
+            TAKEOVER_CHANNEL,
+        )
         await lock_workspace(conn, found.workspace_id or found.id)
         # Read again under the lock: a revoke that held it before us has committed by now.
         found = await by_id(conn, provisioner_id)
@@ -171,19 +188,6 @@ async def revoke(conn: Conn, provisioner_id: UUID) -> Provisioner:
             provisioner_id,
         )
         assert row is not None
-        # Its live control session, on whichever replica, is superseded at once (and finds
-        # the token revoked when it asks why).
-        await conn.execute(
-            """
-            WITH bumped AS (
-                UPDATE provisioner_sessions SET generation = generation + 1
-                WHERE provisioner_id = $1 RETURNING generation
-            )
-            SELECT pg_notify($2, $1::text || ':' || generation) FROM bumped
-            """,
-            provisioner_id,
-            TAKEOVER_CHANNEL,
-        )
         if first:
             await _cascade(conn, provisioner_id, sessionless)
         await conn.execute(

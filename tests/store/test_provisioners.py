@@ -3,14 +3,15 @@ from __future__ import annotations
 import uuid
 from uuid import UUID
 
+import anyio
 import asyncpg
 import pytest
 
 from controlplane.domain import tokens
 from controlplane.errors import RunnerSessionExhausted
-from controlplane.store import provisioners, queue
+from controlplane.store import locks, provisioner_sessions, provisioners, queue
 from controlplane.store.pool import Conn
-from tests.factories import capped_session, new_job
+from tests.factories import capped_session, new_job, wait_until_blocked
 from tests.provisioning import reservation
 from tests.store.test_runner_reports import runner
 
@@ -185,3 +186,33 @@ async def test_s45_re_revoking_keeps_the_original_revocation_and_cascades_nothin
         await conn.fetchval("SELECT terminated_at FROM runner_instances WHERE id = $1", runner_id)
         == terminated_at
     )
+
+
+async def test_revocation_waits_for_a_session_write_then_closes_it(
+    pool: asyncpg.Pool, conn: Conn, observer: asyncpg.Connection, workspace: UUID
+) -> None:
+    """A control session's write holds its fencing row FOR SHARE, then takes the workspace lock.
+    Revocation bumps that row first, so it waits for the write without holding the workspace
+    lock the write needs next: no deadlock, and the write commits under its generation."""
+    created, _ = await provisioners.create(conn, name="fleet", workspace_id=workspace)
+    generation = await provisioner_sessions.take_over(conn, created.id, uuid.uuid4())
+    assert generation is not None
+    revoked: list[provisioners.Provisioner] = []
+    async with pool.acquire() as writer, pool.acquire() as revoker:
+
+        async def revoke() -> None:
+            revoked.append(await provisioners.revoke(revoker, created.id))
+
+        async with anyio.create_task_group() as group, writer.transaction():
+            fence = await provisioner_sessions.hold_fence(writer, created.id, generation)
+            assert fence is provisioner_sessions.Fence.CURRENT
+            group.start_soon(revoke)
+            await wait_until_blocked(observer, revoker.get_server_pid())
+            # The write goes on: the workspace lock is free (revocation has not taken it).
+            assert await writer.fetchval(
+                "SELECT pg_try_advisory_xact_lock($1)", locks.workspace(workspace)
+            )
+        # Our commit let the revocation through.
+    assert revoked[0].revoked_at is not None
+    after = await provisioner_sessions.fence(conn, created.id, generation)
+    assert after is provisioner_sessions.Fence.REVOKED
