@@ -14,6 +14,9 @@ Namespaces:
 * ``migrations``: the migration runner, as a session lock on a dedicated connection.
 * ``leader``: replica leadership for maintenance, as a session lock on a dedicated connection.
 * ``admin_command``: one (admin key, Idempotency-Key) pair, around an idempotent create.
+* ``ephemeral_mint``: one (workspace, provisioner, provider runner id) triple, while a mint
+  checks that the runner has no active ephemeral registration token; several are taken in
+  sorted key order, in one statement, after every other lock of the mint (store/ephemeral.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ ASSIGNMENT = "cp_assignment"
 MIGRATIONS = "cp_migrations"
 LEADER = "cp_leader"
 ADMIN_COMMAND = "cp_admin_command"
+EPHEMERAL_MINT = "cp_ephemeral_mint"
 
 
 def key(namespace: str, *parts: UUID | str) -> int:
@@ -52,6 +56,10 @@ def workspace(workspace_id: UUID) -> int:
 
 def assignment(provisioner_id: UUID, reservation_id: UUID) -> int:
     return key(ASSIGNMENT, provisioner_id, reservation_id)
+
+
+def ephemeral_mint(workspace_id: UUID, provisioner_id: UUID, provider_runner_id: str) -> int:
+    return key(EPHEMERAL_MINT, workspace_id, provisioner_id, provider_runner_id)
 
 
 MIGRATIONS_KEY = key(MIGRATIONS)

@@ -14,7 +14,7 @@ from starlette.requests import HTTPConnection, Request
 from controlplane.domain import tokens
 from controlplane.domain.jobs import JobIdentity, SessionClaims
 from controlplane.errors import Forbidden, Unauthorized
-from controlplane.store import credentials, provisioners, runner_instances
+from controlplane.store import credentials, ephemeral, provisioners, runner_instances
 from controlplane.store.credentials import Credential
 from controlplane.store.provisioners import Provisioner
 from controlplane.store.runner_instances import ActivationGrant, ControlSession
@@ -145,6 +145,26 @@ async def activation(request: HTTPConnection) -> ActivationGrant:
     async with svc.pool.acquire() as conn:
         found = await runner_instances.activation_by_digest(conn, digest)
     if found is None:
+        raise Unauthorized()
+    return found
+
+
+async def ephemeral_registration(request: HTTPConnection) -> ephemeral.Presented:
+    """An ephemeral registration token: unknown, or its provisioner revoked, is `unauthorized`;
+    expired (`expires_at` <= now, database clock) is `registration-token-expired`. A consumed
+    token passes: it spends rate-limit budget, then registration answers 409."""
+    svc = services(request)
+    try:
+        digest = tokens.parse_opaque(bearer(request), tokens.Kind.EPHEMERAL_REGISTRATION)
+    except tokens.TokenError as error:
+        raise Unauthorized() from error
+    async with svc.pool.acquire() as conn:
+        found = await ephemeral.presented(conn, digest)
+    if found is None:
+        raise Unauthorized()
+    if found.expired:
+        raise ephemeral.RegistrationTokenExpired()
+    if found.provisioner_revoked or found.provisioner_scope is None:
         raise Unauthorized()
     return found
 

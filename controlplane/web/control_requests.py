@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
 
+from controlplane import metrics
 from controlplane.actors.control import LocalSession
 from controlplane.actors.provisioning import Advertisement, Fenced, ProvisionerActor
 from controlplane.domain.demand import Template, reservation_ttl
@@ -25,6 +26,7 @@ from controlplane.store import demand, runner_instances, runner_reports
 from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import Fence, hold_fence
 from controlplane.store.provisioners import Provisioner
+from controlplane.web import ephemeral
 from controlplane.web.services import Services
 from controlplane.wire import control as wire
 
@@ -98,6 +100,8 @@ async def handle(
                     entries=entries,
                     bootstrap_ttl=timedelta(seconds=knobs.bootstrap_token_ttl_seconds),
                 )
+            for reason, units in batch.capacity_failures.items():
+                metrics.capacity_failures.labels(reason).inc(units)
             actor.warm_created(
                 entries[c.request_index][0]
                 for c in batch.instances
@@ -124,10 +128,17 @@ async def handle(
         case wire.Assign():
             if len(set(message.runner_instance_ids)) != len(message.runner_instance_ids):
                 raise InvalidInput("runner_instance_ids must be unique")
-            async with fenced(svc, session) as conn:
-                assigned = await runner_instances.assign(
-                    conn, provisioner.id, message.reservation_id, message.runner_instance_ids
-                )
+            try:
+                async with fenced(svc, session) as conn:
+                    assigned = await runner_instances.assign(
+                        conn, provisioner.id, message.reservation_id, message.runner_instance_ids
+                    )
+            except runner_instances.PROMOTION_FAILURES as error:
+                reason = error.code
+                if isinstance(error, runner_instances.RunnerNotAssignable):
+                    reason = error.reason
+                metrics.assignments_rejected.labels(reason, "provisioner").inc()
+                raise
             return wire.Assigned(request_id=message.request_id, runner_instance_ids=assigned)
         case wire.Report():
             received_at = svc.clock()
@@ -140,6 +151,11 @@ async def handle(
                     reserved_labels=svc.reserved_labels,
                     activation_timeout=timedelta(seconds=knobs.demand_activation_timeout_seconds),
                 )
+            for event in message.events:
+                metrics.runner_reports.labels(event.state).inc()
+            metrics.units_released.labels("report").inc(outcome.reservations_released)
+            for honored in outcome.terminate_intents_honored:
+                metrics.terminate_intents_honored.labels(honored.reason).inc()
             actor.wake()  # released units are demand again
             return wire.Reported(
                 request_id=message.request_id,
@@ -158,8 +174,18 @@ async def handle(
                     grace=timedelta(seconds=knobs.reconcile_terminate_grace_seconds),
                     include_intended=True,
                 )
+            metrics.reconciles.inc()
+            metrics.absent_terminated.inc(len(result.terminated_absent_provider_runner_ids))
+            metrics.units_released.labels("reconcile").inc(result.reservations_released)
+            for runner in result.runners:
+                if runner.desired_intent == "terminate":
+                    reason = runner.intent_reason or "unknown"
+                    metrics.terminate_intents_issued.labels("reconcile", reason).inc()
             actor.wake()
             return _reconciled(message.request_id, result)
+        case wire.MintEphemeral():
+            async with fenced(svc, session) as conn:
+                return await ephemeral.mint_ephemeral(conn, svc, provisioner, message)
     raise InvalidInput(f"unexpected message {type(message).__name__}")
 
 

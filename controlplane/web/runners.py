@@ -1,10 +1,11 @@
-"""Runner routes: register (manual or activation token), long-poll for a job, heartbeat (held
-for cancel), complete."""
+"""Runner routes: register (manual, activation or ephemeral token), long-poll for a job,
+heartbeat (held for cancel), complete."""
 
 from __future__ import annotations
 
 import logging
 import uuid
+from datetime import timedelta
 
 import anyio
 import msgspec
@@ -23,9 +24,10 @@ from controlplane.errors import (
     RunnerLabelsReserved,
     ShuttingDown,
 )
+from controlplane.store import ephemeral as ephemeral_store
 from controlplane.store import executions, leases, queue, runner_instances, sessions
 from controlplane.store.pool import borrow
-from controlplane.web import auth
+from controlplane.web import auth, ephemeral
 from controlplane.web.edge import hold, json_response, path_uuid, query_number, read_json
 from controlplane.web.services import Services
 from controlplane.wire.common import Capabilities
@@ -48,8 +50,11 @@ def _check_capabilities(capabilities: Capabilities | None) -> None:
 
 
 async def register(request: Request) -> Response:
-    if auth.bearer_kind(request) is tokens.Kind.ACTIVATION:
+    kind = auth.bearer_kind(request)
+    if kind is tokens.Kind.ACTIVATION:
         return await _register_activation(request)
+    if kind is tokens.Kind.EPHEMERAL_REGISTRATION:
+        return await _register_ephemeral(request)
     svc = auth.services(request)
     token = await auth.manual_registration(request)
     body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
@@ -122,6 +127,79 @@ async def _register_activation(request: Request) -> Response:
             session_token=auth.mint_session(svc, claims, svc.clock()),
             session_id=session.id,
             mode="activation",
+            max_claims=session.max_claims,
+            labels=list(labels),
+            heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,
+            long_poll_max_seconds=svc.settings.runners.long_poll_max_seconds,
+        )
+    )
+
+
+async def _register_ephemeral(request: Request) -> Response:
+    """A provisioner-minted ephemeral token for a one-claim session (spec 4.15, jobs 3.14).
+    Order: token, body, then the attempt is counted against the token's rate limit (so a bad
+    body spends no budget, a used token does), then the token is consumed. A 429 or 503 from
+    the limiter leaves the token unconsumed. Reserved labels are kept for an installation
+    provisioner's token, stripped otherwise."""
+    svc = auth.services(request)
+    grant = await auth.ephemeral_registration(request)
+    body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
+    _check_capabilities(body.capabilities)
+    knobs = svc.settings.provisioners
+    ids = {"token_id": str(grant.token_id), "provisioner_id": str(grant.provisioner_id)}
+    try:
+        async with svc.pool.acquire() as conn:
+            await ephemeral_store.count_attempt(
+                conn,
+                grant.token_id,
+                limit=knobs.ephemeral_register_rate_limit,
+                window=timedelta(seconds=knobs.ephemeral_register_rate_window_seconds),
+            )
+    except ephemeral_store.RegistrationRateLimited as error:
+        log.warning(
+            "runner.register_rate_limited",
+            extra={**ids, "retry_after_seconds": error.retry_after_seconds},
+        )
+        return ephemeral.rate_limited(error)
+    except ephemeral_store.RateLimitUnavailable as error:
+        log.error(
+            "runner.register_rate_limit_unavailable",
+            extra={**ids, "error": type(error.__cause__).__name__},
+        )
+        raise
+    supplied = canonicalise(body.labels)
+    labels = supplied
+    if grant.provisioner_scope != "installation":
+        labels = strip_reserved(supplied, svc.reserved_labels)
+    if not labels:
+        raise RunnerLabelsReserved(
+            "every supplied label is reserved for installation provisioners",
+            labels=list(supplied),
+        )
+    async with svc.pool.acquire() as conn:
+        consumed = await ephemeral_store.consume(
+            conn,
+            grant.token_id,
+            grant.workspace_id,
+            labels=labels,
+            capabilities=None if body.capabilities is None else body.capabilities.as_json(),
+        )
+    session = consumed.session
+    claims = SessionClaims(session.id, session.workspace_id, labels, session.max_claims)
+    log.info(
+        "runner.registered",
+        extra={
+            **ids,
+            "runner_session_id": str(session.id),
+            "runner_instance_ids": [str(i) for i in consumed.linked_runner_ids],
+            "mode": "ephemeral",
+        },
+    )
+    return json_response(
+        RegisterResponse(
+            session_token=auth.mint_session(svc, claims, svc.clock()),
+            session_id=session.id,
+            mode="ephemeral",
             max_claims=session.max_claims,
             labels=list(labels),
             heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,

@@ -130,8 +130,31 @@ class Reconcile(Message, tag="reconcile"):
     ]
 
 
+MAX_EPHEMERAL_TOKENS = 500
+
+
+class MintEphemeral(Message, tag="mint_ephemeral"):
+    """One-use ephemeral registration tokens (`cp_ert_`), one per provider runner id, all or
+    none. With `reservation_id`, for that live launch reservation's workspace (an installation
+    provisioner must name one); without, for the workspace provisioner's own workspace."""
+
+    request_id: RequestId
+    provider_runner_ids: Annotated[
+        list[ProviderRunnerId], msgspec.Meta(min_length=1, max_length=MAX_EPHEMERAL_TOKENS)
+    ]
+    reservation_id: UUID | None = None
+
+
 ClientMessage = (
-    Hello | Ping | Advertise | CreateInstances | AttachProvider | Assign | Report | Reconcile
+    Hello
+    | Ping
+    | Advertise
+    | CreateInstances
+    | AttachProvider
+    | Assign
+    | Report
+    | Reconcile
+    | MintEphemeral
 )
 
 
@@ -245,6 +268,17 @@ class Reconciled(Message, tag="reconciled"):
     terminated_absent_provider_runner_ids: list[str]
 
 
+class MintedToken(Part):
+    provider_runner_id: str
+    token: str  # raw, sent once
+    expires_at: datetime
+
+
+class EphemeralMinted(Message, tag="ephemeral_minted"):
+    request_id: str
+    tokens: list[MintedToken]  # in request order
+
+
 class Error(Message, tag="error"):
     """The request was refused and changed nothing; the session stays open."""
 
@@ -264,6 +298,7 @@ ServerMessage = (
     | Reported
     | Reconciled
     | Error
+    | EphemeralMinted
 )
 
 _decoder = msgspec.json.Decoder(ClientMessage)
