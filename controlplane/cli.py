@@ -332,9 +332,11 @@ example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait --
 
     status = commands.add_parser(
         "status",
-        help="show the queue: pending and running jobs per workspace",
+        help="show the queue, and the provisioned fleet when there is one",
         description="Print GET /v1/admin/queue as a table: one row per workspace with pending "
-        "or running jobs, busiest first, then the totals.",
+        "or running jobs, busiest first, then the totals. Then, each only when not empty: the "
+        "active provisioners with when they were last seen, live reservations per workspace, "
+        "labels and kind, and runner instances per state.",
     )
     status.add_argument("--url", **_from_env("CONTROLPLANE_URL"), help=url_help)
     status.add_argument("--key", help="admin API key (cp_adm_…); default $CONTROLPLANE_ADMIN_KEY")

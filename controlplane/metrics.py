@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -58,3 +64,209 @@ dispatch_latency = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60),
     registry=REGISTRY,
 )
+
+# --- provisioning ------------------------------------------------------------------------------
+# Durations are seconds. `provider` is a runner instance's provider kind as its provisioner named
+# it, bounded by `provider_label`; `launch_kind` is demand, warm, manual or unknown.
+
+LIFECYCLE_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+QUEUE_TIME_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 900, 1800, 3600, 14_400)
+
+runner_reports = Counter(
+    "controlplane_runner_reports_total",
+    "Runner instance report events accepted from provisioners, by reported state.",
+    ["state"],
+    registry=REGISTRY,
+)
+bootstrap_exchanges = Counter(
+    "controlplane_runner_bootstrap_exchanges_total",
+    "Bootstrap token exchanges, by outcome (accepted, rejected).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+activation_not_issued = Counter(
+    "controlplane_runner_activation_not_issued_total",
+    "Activation tokens not issued to an assigned runner, by reason (runner-not-found, "
+    "missing-workspace, existing-session, not-running) and surface (enrollment, poll).",
+    ["reason", "surface"],
+    registry=REGISTRY,
+)
+control_heartbeats = Counter(
+    "controlplane_runner_control_heartbeats_total",
+    "Accepted control-session heartbeats of provisioned runners.",
+    registry=REGISTRY,
+)
+runners_reaped = Counter(
+    "controlplane_runner_instances_reaped_total",
+    "Active runner instances failed by maintenance (neither they nor their provisioner heard).",
+    registry=REGISTRY,
+)
+reconciles = Counter(
+    "controlplane_runner_reconciles_total",
+    "Successful reconcile requests of provisioners.",
+    registry=REGISTRY,
+)
+absent_terminated = Counter(
+    "controlplane_runner_instances_absent_terminated_total",
+    "Runner instances terminated by reconcile because the provider no longer had them.",
+    registry=REGISTRY,
+)
+terminate_intents_issued = Counter(
+    "controlplane_terminate_intents_issued_total",
+    "Terminate intents told to provisioners, by surface (demand: newly in a pushed demand "
+    "message; reconcile: in a reconcile answer) and reason (activation-timeout, job-cancelled, "
+    "terminal-state).",
+    ["surface", "reason"],
+    registry=REGISTRY,
+)
+terminate_intents_honored = Counter(
+    "controlplane_terminate_intents_honored_total",
+    "Runner instances first reported terminated after a terminate intent, by its reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+activation_outcomes = Counter(
+    "controlplane_runner_activation_outcomes_total",
+    "What became of demand runners that were not activated in time: rebound (bound to new "
+    "demand of their workspace) or reaped (first delivery of an activation-timeout intent).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+units_released = Counter(
+    "controlplane_reservation_units_released_total",
+    "Reservation units given back by runner reports, reconciles and maintenance, by source.",
+    ["source"],
+    registry=REGISTRY,
+)
+promotion_failures = Counter(
+    "controlplane_reservation_promotion_failures_total",
+    "Enrollments whose intended reservation could not be promoted to an assignment, by reason "
+    "(reservation-expired, reservation-not-found, already-assigned, not-assignable, unexpected).",
+    ["reason"],
+    registry=REGISTRY,
+)
+capacity_failures = Counter(
+    "controlplane_reservation_capacity_failures_total",
+    "Runner instance units refused at creation, by reason (reservation-not-found, "
+    "reservation-kind-mismatch, reservation-expired, capacity-exhausted).",
+    ["reason"],
+    registry=REGISTRY,
+)
+assignments_rejected = Counter(
+    "controlplane_runner_assignments_rejected_total",
+    "Rejected assignments of runner instances to reservations, by reason and surface "
+    "(provisioner: an assign request; enrollment: a promotion at enrollment).",
+    ["reason", "surface"],
+    registry=REGISTRY,
+)
+created_to_control_session = Histogram(
+    "controlplane_runner_created_to_control_session_seconds",
+    "From a runner instance's creation to its bootstrap exchange (its control session).",
+    ["provider", "launch_kind"],
+    buckets=LIFECYCLE_BUCKETS,
+    registry=REGISTRY,
+)
+activation_to_first_claim = Histogram(
+    "controlplane_runner_activation_to_first_claim_seconds",
+    "From a provisioned runner's activation (its runner session) to its first claim.",
+    ["provider", "launch_kind"],
+    buckets=LIFECYCLE_BUCKETS,
+    registry=REGISTRY,
+)
+queue_time = Histogram(
+    "controlplane_job_queue_seconds",
+    "From enqueue to claim of a job execution (long-poll claims), by the claiming runner's "
+    "provider and launch kind (manual runners: provider unknown, launch kind manual).",
+    ["provider", "launch_kind"],
+    buckets=QUEUE_TIME_BUCKETS,
+    registry=REGISTRY,
+)
+allocation_rounds = Counter(
+    "controlplane_allocation_rounds_total",
+    "Allocation rounds of provisioner actors, by outcome (ok, fenced, error).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+allocation_seconds = Histogram(
+    "controlplane_allocation_round_seconds",
+    "Duration of one allocation round of a provisioner actor (every workspace it serves).",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+    registry=REGISTRY,
+)
+demand_pushes = Counter(
+    "controlplane_demand_pushes_total",
+    "Demand messages pushed to provisioners, by outcome (sent, failed).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+control_sessions = Gauge(
+    "controlplane_provisioner_control_sessions",
+    "Live provisioner control sessions (with a running actor) on this replica.",
+    registry=REGISTRY,
+)
+
+
+_PROVIDERS_KEPT = 32
+_providers: set[str] = set()
+
+
+def provider_label(kind: str | None) -> str:
+    """A provider kind as a label value. Provisioners name it freely, so the first few distinct
+    kinds this process sees are kept and later ones become `other`; missing is `unknown`."""
+    if not kind:
+        return "unknown"
+    if kind in _providers:
+        return kind
+    if len(_providers) < _PROVIDERS_KEPT and kind.isascii() and len(kind) <= 64:
+        _providers.add(kind)
+        return kind
+    return "other"
+
+
+def observe_seconds(histogram: Histogram, seconds: float, *labels: str) -> None:
+    """Record a lifecycle duration. Negative ones (clock skew between rows) are dropped."""
+    if seconds >= 0:
+        histogram.labels(*labels).observe(seconds)
+
+
+class _PhaseSnapshot(Collector):
+    """Sessionless starting/running runner instances per lifecycle phase, as the maintenance
+    leader last counted them (it takes a query, so one replica does it each provisioning run).
+    A snapshot is exposed only until `fresh_until`, so a replica that stopped leading stops
+    reporting instead of repeating old figures."""
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[str, str, str, int, float]] = []
+        self._fresh_until = 0.0
+
+    def update(self, rows: list[tuple[str, str, str, int, float]], fresh_for: float) -> None:
+        merged: dict[tuple[str, str, str], tuple[int, float]] = {}
+        for phase, provider, launch_kind, n, age in rows:  # providers folded into `other` add up
+            before, oldest = merged.get((phase, provider, launch_kind), (0, 0.0))
+            merged[(phase, provider, launch_kind)] = (before + n, max(oldest, age))
+        self._rows = [(*key, n, age) for key, (n, age) in sorted(merged.items())]
+        self._fresh_until = time.monotonic() + fresh_for
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["phase", "provider", "launch_kind"]
+        count = GaugeMetricFamily(
+            "controlplane_runner_instances_by_phase",
+            "Starting or running runner instances without a runner session, by phase "
+            "(control_session, enrollment, assignment, activation, idle); maintenance leader only.",
+            labels=labels,
+        )
+        oldest = GaugeMetricFamily(
+            "controlplane_runner_instances_by_phase_oldest_age_seconds",
+            "Age of the oldest instance in each phase, from the phase's start; leader only.",
+            labels=labels,
+        )
+        if time.monotonic() < self._fresh_until:
+            for phase, provider, launch_kind, n, age in self._rows:
+                count.add_metric([phase, provider, launch_kind], n)
+                oldest.add_metric([phase, provider, launch_kind], age)
+        yield count
+        yield oldest
+
+
+runner_phases = _PhaseSnapshot()
+REGISTRY.register(runner_phases)

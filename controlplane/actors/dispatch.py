@@ -38,9 +38,11 @@ from uuid import UUID
 import anyio
 from anyio.abc import TaskGroup
 
+from controlplane import metrics
 from controlplane.domain.jobs import ClaimedJob, SessionClaims
 from controlplane.domain.labels import LabelSet
 from controlplane.errors import ControlPlaneError, ShuttingDown, Unavailable
+from controlplane.store.queue import ProvisionedClaim
 
 log = logging.getLogger("controlplane.dispatch")
 
@@ -100,6 +102,20 @@ def _wanted(labels: LabelSet, hint: set[LabelSet] | None) -> bool:
         return True
     own = set(labels)
     return any(set(required) <= own for required in hint)
+
+
+def _observe_claim(job: ClaimedJob) -> None:
+    """Queue time (spec J-31/J-32) and, on a provisioned runner's first claim, the time since
+    its activation. A claim without a provisioner link is a manual runner's."""
+    provider, launch_kind = "unknown", "manual"
+    if isinstance(job, ProvisionedClaim):
+        provider = metrics.provider_label(job.provider_kind)
+        launch_kind = job.launch_kind or "unknown"
+        if job.activated_at is not None:
+            since = (job.started_at - job.activated_at).total_seconds()
+            metrics.observe_seconds(metrics.activation_to_first_claim, since, provider, launch_kind)
+    queued = (job.started_at - job.queued_at).total_seconds()
+    metrics.observe_seconds(metrics.queue_time, queued, provider, launch_kind)
 
 
 async def put_back(store: ClaimStore, job: ClaimedJob, runner_session_id: UUID) -> None:
@@ -214,6 +230,8 @@ class WorkspaceActor:
                 return False
             if not waiter.deliver(job):
                 await self._put_back(job, waiter)
+            else:
+                _observe_claim(job)
         return True
 
     async def _put_back(self, job: ClaimedJob, waiter: Waiter) -> None:

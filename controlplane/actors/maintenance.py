@@ -20,7 +20,16 @@ import asyncpg
 
 from controlplane import metrics
 from controlplane.domain.jobs import EndedLease, StaleRule
-from controlplane.store import demand, leases, locks, retention, runner_reports, sessions
+from controlplane.store import (
+    demand,
+    ephemeral,
+    fleet,
+    leases,
+    locks,
+    retention,
+    runner_reports,
+    sessions,
+)
 from controlplane.store.pool import PoolSettings, connect
 
 log = logging.getLogger("controlplane.maintenance")
@@ -95,6 +104,7 @@ class Provisioning:
     stale_threshold: timedelta
     reaper_limit: int
     credential_retention: timedelta = timedelta(days=1)
+    ephemeral_retention: timedelta = timedelta(days=7)
     batch: int = 1000
 
 
@@ -135,6 +145,11 @@ class Maintenance:
         while True:
             async with self._pool.acquire() as conn:
                 expired = await leases.reap(conn, self._rule, limit=self._reaper_limit)
+                # A provisioned runner whose lease expired may be gone: its unit, if it still
+                # holds one, goes back once the runner is terminal (spec 4.14).
+                released = await runner_reports.release_after_leases(conn, expired)
+            if released:
+                metrics.units_released.labels("maintenance").inc(released)
             if expired:
                 metrics.leases_expired.inc(len(expired))
                 log.info("maintenance.leases_expired", extra={"count": len(expired)})
@@ -197,6 +212,12 @@ class Maintenance:
             pruned = await retention.prune_runner_credentials(
                 conn, plan.credential_retention, plan.batch
             )
+            pruned += await ephemeral.prune_ephemeral_tokens(
+                conn, plan.ephemeral_retention, plan.batch
+            )
+        metrics.runners_reaped.inc(reaped)
+        metrics.units_released.labels("maintenance").inc(released)
+        await self._count_phases(plan)
         if expired or reaped or pruned:
             log.info(
                 "maintenance.provisioning",
@@ -208,6 +229,23 @@ class Maintenance:
                 },
             )
         return (expired, reaped, pruned)
+
+    async def _count_phases(self, plan: Provisioning) -> None:
+        """Refresh the by-phase gauges; they stay exposed for three provisioning intervals."""
+        try:
+            async with self._pool.acquire() as conn:
+                counts = await fleet.phase_counts(conn)
+        except Exception as error:  # a metric must never fail the maintenance round
+            log.warning("maintenance.phase_count_failed", extra={"error": repr(error)})
+            return
+        metrics.runner_phases.update(
+            [
+                (c.phase, metrics.provider_label(c.provider_kind), c.launch_kind, c.count,
+                 c.oldest_age_seconds)
+                for c in counts
+            ],
+            fresh_for=3 * plan.interval,
+        )  # fmt: skip
 
     async def _provision(self) -> None:
         await self.provision_once()

@@ -38,10 +38,12 @@ from uuid import UUID
 import anyio
 import asyncpg
 
+from controlplane import metrics
 from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template, warm_pool_launches, without_pending
 from controlplane.domain.labels import LabelSet
 from controlplane.store import demand, reservations
+from controlplane.store.demand import TerminateReason
 from controlplane.store.provisioner_sessions import Fence, hold_fence
 from controlplane.store.provisioners import Provisioner
 from controlplane.wire import control as wire
@@ -77,6 +79,7 @@ class _Outcome:
     stats: list[wire.DemandStat] = field(default_factory=list)
     grants: list[wire.Grant] = field(default_factory=list)
     terminate: list[str] = field(default_factory=list)
+    intent_reasons: dict[str, str] = field(default_factory=dict)  # provider runner id -> reason
     newly_reserved: int = 0
     remaining: tuple[Template, ...] = ()
     bound_ids: frozenset[UUID] = frozenset()
@@ -133,16 +136,31 @@ class ProvisionerActor:
 
     async def run(self) -> None:
         """Rounds until cancelled; raises Fenced when the session lost its generation."""
-        while True:
-            with anyio.move_on_after(self.limits.tick_seconds):
-                await self._wake.wait()
-            self._wake = anyio.Event()
-            advertisement = self._advertisement
-            if advertisement is None:
-                continue
-            fresh, self._fresh_advertisement = self._fresh_advertisement, False
+        with metrics.control_sessions.track_inprogress():
+            while True:
+                with anyio.move_on_after(self.limits.tick_seconds):
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+                advertisement = self._advertisement
+                if advertisement is None:
+                    continue
+                fresh, self._fresh_advertisement = self._fresh_advertisement, False
+                outcome = await self._measured_round(advertisement)
+                await self._maybe_push(outcome, advertisement, force=fresh)
+
+    async def _measured_round(self, advertisement: Advertisement) -> _Outcome:
+        started = anyio.current_time()
+        try:
             outcome = await self._round(advertisement)
-            await self._maybe_push(outcome, advertisement, force=fresh)
+        except Fenced:
+            metrics.allocation_rounds.labels("fenced").inc()
+            raise
+        except Exception:
+            metrics.allocation_rounds.labels("error").inc()
+            raise
+        metrics.allocation_rounds.labels("ok").inc()
+        metrics.allocation_seconds.observe(anyio.current_time() - started)
+        return outcome
 
     async def _round(self, advertisement: Advertisement) -> _Outcome:
         outcome = _Outcome(remaining=advertisement.templates)
@@ -226,6 +244,16 @@ class ProvisionerActor:
             for grant in result.grants
         )
         outcome.terminate.extend(intent.provider_runner_id for intent in result.terminate_intents)
+        outcome.intent_reasons.update(
+            (intent.provider_runner_id, intent.reason.value) for intent in result.terminate_intents
+        )
+        metrics.activation_outcomes.labels("rebound").inc(result.rebound)
+        reaped = sum(
+            1
+            for intent in result.terminate_intents
+            if intent.reason is TerminateReason.ACTIVATION_TIMEOUT and not intent.retry
+        )
+        metrics.activation_outcomes.labels("reaped").inc(reaped)
         return allocation.remaining_max
 
     async def _warm(self, advertisement: Advertisement, outcome: _Outcome) -> list[wire.WarmLaunch]:
@@ -279,11 +307,16 @@ class ProvisionerActor:
         try:
             await self._send(message)
         except BaseException:
+            metrics.demand_pushes.labels("failed").inc()
             # Never delivered: give the demand back rather than hold it for a lifetime.
             if outcome.grants:
                 with anyio.CancelScope(shield=True):
                     await self._forget([g.reservation_id for g in outcome.grants])
             raise
+        metrics.demand_pushes.labels("sent").inc()
+        for runner_id in set(terminate) - set(self._last_terminate):
+            reason = outcome.intent_reasons.get(runner_id, "unknown")
+            metrics.terminate_intents_issued.labels("demand", reason).inc()
         self._last_stats = outcome.stats
         self._last_terminate = terminate
 

@@ -1,4 +1,5 @@
-"""What an operator runs against a daemon by hand: enqueue one job, and look at the queue."""
+"""What an operator runs against a daemon by hand: enqueue one job, and look at the queue and
+the provisioned fleet."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import httpx
 import msgspec
 
 from controlplane.agent import api
-from controlplane.wire.admin import QueueOut
+from controlplane.wire.admin import QueueOut, ReservationList, RunnerInstanceCounts
 from controlplane.wire.orchestrator import EnqueueResponse, ExecutionState
+from controlplane.wire.provisioners import ProvisionerTokenList
 
 _FIRST_POLL_SECONDS = 0.2
 _MAX_POLL_SECONDS = 2.0
@@ -114,10 +116,62 @@ def queue_table(queue: QueueOut) -> str:
     return "\n".join(lines)
 
 
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    )
+
+
+def _when(moment: datetime | None) -> str:
+    return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def fleet_tables(
+    provisioners: ProvisionerTokenList, reservations: ReservationList, counts: RunnerInstanceCounts
+) -> list[str]:
+    """Active provisioners, live reservations and runner instances per state: one table each,
+    and none for what is empty (a daemon without provisioning prints only the queue)."""
+    tables = []
+    if provisioners.items:
+        rows = [
+            [p.name.replace(" ", "_"), p.scope, str(p.workspace_id or "-"), _when(p.last_seen_at)]
+            for p in provisioners.items
+        ]
+        tables.append(_table(["PROVISIONER", "SCOPE", "WORKSPACE", "LAST_SEEN"], rows))
+    if reservations.items:
+        rows = [
+            [str(r.workspace_id), ",".join(r.labels), r.kind, str(r.units), _when(r.next_expiry)]
+            for r in reservations.items
+        ]
+        tables.append(_table(["RESERVED_IN", "LABELS", "KIND", "UNITS", "NEXT_EXPIRY"], rows))
+    if counts.states:
+        rows = [[c.state, str(c.count)] for c in counts.states]
+        tables.append(_table(["INSTANCE_STATE", "COUNT"], rows))
+    return tables
+
+
 async def status(url: str, key: str) -> int:
+    headers = api.bearer(key)
     async with api.client(url) as http:
-        content = await _call(http, "GET", "/v1/admin/queue", headers=api.bearer(key))
-    _say(queue_table(_decode(content, QueueOut)))
+        content = await _call(http, "GET", "/v1/admin/queue", headers=headers)
+        queue = _decode(content, QueueOut)
+        provisioners = _decode(
+            await _call(http, "GET", "/v1/admin/provisioner-tokens?active=true", headers=headers),
+            ProvisionerTokenList,
+        )
+        reservations = _decode(
+            await _call(http, "GET", "/v1/admin/reservations", headers=headers), ReservationList
+        )
+        counts = _decode(
+            await _call(http, "GET", "/v1/admin/runner-instances/counts", headers=headers),
+            RunnerInstanceCounts,
+        )
+    _say(queue_table(queue))
+    for table in fleet_tables(provisioners, reservations, counts):
+        _say("")
+        _say(table)
     return 0
 
 

@@ -22,8 +22,8 @@ waiter always finds the row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
-from datetime import timedelta
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 from uuid import UUID
 
 from controlplane.domain.jobs import (
@@ -48,6 +48,16 @@ MAX_BUSY_HEADS = 16
 _EXECUTION_TRY_LOCK = (
     f"pg_try_advisory_xact_lock({locks.sql_key(locks.EXECUTION, 'p.job_execution_id')})"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class ProvisionedClaim(ClaimedJob):
+    """A claim by a capped session of a provisioner's runner, with what the queue-time and
+    first-claim metrics label it by (the caller records them: the store imports no metrics)."""
+
+    provider_kind: str | None = None
+    launch_kind: str | None = None  # None: no runner instance links this session
+    activated_at: datetime | None = None  # the session's creation, on its first claim only
 
 
 def enqueued_payload(workspace_id: UUID, labels: LabelSet) -> str:
@@ -200,7 +210,11 @@ async def claim(
             SET updated_at = CASE WHEN updated_at < now() - $3::interval THEN now()
                                   ELSE updated_at END
             WHERE id = $1 AND workspace_id = $2
-            RETURNING max_claims, claims_used, revoked_at, provisioner_id, provider_runner_id
+            RETURNING max_claims, claims_used, revoked_at, provisioner_id, provider_runner_id,
+                      created_at,
+                      CASE WHEN provisioner_id IS NOT NULL THEN
+                          (SELECT ARRAY[ri.provider_kind, ri.launch_kind] FROM runner_instances ri
+                            WHERE ri.runner_session_id = $1 LIMIT 1) END AS origin
             """,
             session.runner_session_id,
             session.workspace_id,
@@ -220,6 +234,12 @@ async def claim(
             if claimed is not None and row["provisioner_id"] is not None:
                 # A provisioned runner's first claim gives its reservation unit back (4.14).
                 await runner_instances.release_on_first_claim(conn, session.runner_session_id)
+                provider_kind, launch_kind = row["origin"] or (None, None)
+                return ProvisionedClaim(
+                    claimed.identity, claimed.required_labels, claimed.payload,
+                    claimed.queued_at, claimed.started_at, provider_kind, launch_kind,
+                    row["created_at"] if row["claims_used"] == 0 else None,
+                )  # fmt: skip
             return claimed
     # Raised after commit, so the liveness touch of an exhausted session's poll is kept.
     raise RunnerSessionExhausted()

@@ -1,16 +1,21 @@
-"""Admin routes (admin API key): API keys, manual registration tokens, the queue."""
+"""Admin routes (admin API key): API keys, manual registration tokens, the queue, and the
+provisioned fleet (runner instances, live reservations). Admin keys are installation-wide, so the
+fleet views list every provisioner's instances, of either scope."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from controlplane.domain import fleet as views
 from controlplane.domain import tokens
+from controlplane.domain.labels import label_error
+from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import InvalidInput
-from controlplane.store import credentials, executions, queries
+from controlplane.store import credentials, executions, fleet, queries
 from controlplane.store.credentials import Credential
 from controlplane.store.pool import Conn
 from controlplane.web import auth
@@ -162,8 +167,147 @@ async def active_runners(request: Request) -> Response:
     )
 
 
+def _only(request: Request, *allowed: str) -> None:
+    """Strict query: an unknown parameter is 400."""
+    if unknown := sorted(set(request.query_params) - set(allowed)):
+        raise InvalidInput(f"unknown query parameter {unknown[0]}", field=unknown[0])
+
+
+def _choice(request: Request, name: str, allowed: tuple[str, ...]) -> str | None:
+    raw = request.query_params.get(name)
+    if raw is not None and raw not in allowed:
+        raise InvalidInput(f"query {name} must be one of {', '.join(allowed)}", field=name)
+    return raw
+
+
+def _instance(
+    row: fleet.InstanceRow, now: datetime, threshold: timedelta
+) -> wire.RunnerInstanceOut:
+    return wire.RunnerInstanceOut(
+        id=row.id,
+        provisioner=wire.InstanceProvisioner(
+            id=row.provisioner_id,
+            scope=row.provisioner_scope,  # type: ignore[arg-type]
+            name=row.provisioner_name,
+        ),
+        workspace_id=row.workspace_id,
+        provider_runner_id=row.provider_runner_id,
+        provider_kind=row.provider_kind,
+        launch_kind=row.launch_kind,  # type: ignore[arg-type]
+        template_key=row.template_key,
+        labels=list(row.labels),
+        state=row.state.value,
+        lifecycle_state=views.lifecycle_state(row.facts),
+        enrollment_state=views.enrollment_state(row.facts),
+        reconciliation_status=views.reconciliation_status(row.facts, now=now, threshold=threshold),
+        reason=row.reason,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        reported_at=row.reported_at,
+        assigned_at=row.assigned_at,
+        first_claimed_at=row.first_claimed_at,
+        closed_at=row.closed_at,
+    )
+
+
+_STATES = tuple(state.value for state in RunnerState)
+_INSTANCE_QUERY = ("state", "assignment", "label", "provisioner_id", "workspace_id", "limit",
+                   "cursor")  # fmt: skip
+
+
+async def runner_instances(request: Request) -> Response:
+    """Every provisioner's runner instances, newest first, one page at a time."""
+    svc = await auth.admin(request)
+    _only(request, *_INSTANCE_QUERY)
+    state = _choice(request, "state", _STATES)
+    assignment = _choice(request, "assignment", ("assigned", "unassigned"))
+    label = request.query_params.get("label")
+    if label is not None:
+        if (problem := label_error(label)) is not None:
+            raise InvalidInput(f"query label: {problem}", field="label")
+        label = label.lower()
+    limit = query_integer(request, "limit", low=1, high=100, default=50)
+    cursor = request.query_params.get("cursor")
+    before = None if cursor is None else views.decode_cursor(cursor)
+    where = fleet.InstanceFilter(
+        state=None if state is None else RunnerState(state),
+        assigned=None if assignment is None else assignment == "assigned",
+        label=label,
+        provisioner_id=query_uuid(request, "provisioner_id"),
+        workspace_id=query_uuid(request, "workspace_id"),
+    )
+    async with svc.pool.acquire() as conn:
+        rows, now = await fleet.list_instances(conn, where, before=before, limit=limit + 1)
+    page = rows[:limit]
+    more = len(rows) > limit
+    threshold = timedelta(seconds=svc.settings.provisioners.stale_runner_threshold_seconds)
+    return json_response(
+        wire.RunnerInstanceList(
+            items=[_instance(row, now, threshold) for row in page],
+            next_cursor=views.encode_cursor(page[-1].created_at, page[-1].id) if more else None,
+        )
+    )
+
+
+async def active_runner_instances(request: Request) -> Response:
+    """A workspace's active-state instances the server updated recently (spec P-87)."""
+    svc = await auth.admin(request)
+    _only(request, "workspace_id")
+    workspace = query_uuid(request, "workspace_id")
+    if workspace is None:
+        raise InvalidInput("query workspace_id is required", field="workspace_id")
+    knobs = svc.settings.provisioners
+    window = timedelta(seconds=knobs.runner_active_window_seconds)
+    async with svc.pool.acquire() as conn:
+        rows, now = await fleet.active_instances(conn, workspace, window)
+    threshold = timedelta(seconds=knobs.stale_runner_threshold_seconds)
+    return json_response(
+        wire.ActiveRunnerInstances(items=[_instance(row, now, threshold) for row in rows])
+    )
+
+
+async def runner_instance_counts(request: Request) -> Response:
+    svc = await auth.admin(request)
+    _only(request)
+    async with svc.pool.acquire() as conn:
+        counts = await fleet.counts_by_state(conn)
+    return json_response(
+        wire.RunnerInstanceCounts(
+            states=[wire.StateCount(state=s, count=counts[s]) for s in _STATES if s in counts]
+        )
+    )
+
+
+async def reservations(request: Request) -> Response:
+    """Unexpired reservations per workspace, label set and kind."""
+    svc = await auth.admin(request)
+    _only(request, "workspace_id")
+    workspace = query_uuid(request, "workspace_id")
+    async with svc.pool.acquire() as conn:
+        found = await fleet.live_reservations(conn, workspace)
+    return json_response(
+        wire.ReservationList(
+            items=[
+                wire.ReservationGroup(
+                    workspace_id=group.workspace_id,
+                    labels=list(group.labels),
+                    kind=group.kind,  # type: ignore[arg-type]
+                    reservations=group.reservations,
+                    units=group.units,
+                    next_expiry=group.next_expiry,
+                )
+                for group in found
+            ]
+        )
+    )
+
+
 routes = [
     Route("/v1/admin/runners", active_runners, methods=["GET"]),
+    Route("/v1/admin/runner-instances", runner_instances, methods=["GET"]),
+    Route("/v1/admin/runner-instances/active", active_runner_instances, methods=["GET"]),
+    Route("/v1/admin/runner-instances/counts", runner_instance_counts, methods=["GET"]),
+    Route("/v1/admin/reservations", reservations, methods=["GET"]),
     Route("/v1/admin/api-keys", create_api_key, methods=["POST"]),
     Route("/v1/admin/api-keys", list_api_keys, methods=["GET"]),
     Route("/v1/admin/api-keys/{id}/revoke", revoke_api_key, methods=["POST"]),

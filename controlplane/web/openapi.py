@@ -25,6 +25,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from controlplane import errors
 from controlplane.settings import Settings
+from controlplane.store import ephemeral
 from controlplane.web.edge import json_response
 from controlplane.web.errors import STATUS
 from controlplane.wire import admin, orchestrator, provisioners, runner_control, runners
@@ -39,7 +40,7 @@ _API_KEY_CODES = ("unauthorized", "api-key-revoked", "api-key-expired")
 
 OAK, ADM, MRT = "orchestratorKey", "adminKey", "manualRegistrationToken"
 RS, JL, PT = "runnerSession", "jobLease", "provisionerToken"
-RAT, RCS = "activationToken", "controlSession"
+RAT, RCS, ERT = "activationToken", "controlSession", "ephemeralRegistrationToken"
 _P = _KNOBS.provisioners
 _R = _KNOBS.runners
 _MRT_CODES = ("unauthorized", "registration-token-expired", "manual-registration-token-revoked")
@@ -59,6 +60,10 @@ SECURITY: dict[str, tuple[str, tuple[str, ...], str]] = {
     RAT: ("runners", ("unauthorized",), f"Activation token of a provisioned runner, "
           f"{_OPAQUE.format('rat')}; one use, lives provisioners.activation_token_ttl_seconds "
           f"(default {_P.activation_token_ttl_seconds})."),
+    ERT: ("runners", ("unauthorized", "registration-token-expired"), f"Ephemeral registration "
+          f"token a provisioner minted for one of its runners (`mint_ephemeral` on its control "
+          f"session), {_OPAQUE.format('ert')}; one use, lives "
+          f"provisioners.ephemeral_token_ttl_seconds (default {_P.ephemeral_token_ttl_seconds})."),
     RCS: ("provisioned-runners", ("unauthorized",), f"Control session of a provisioned runner, "
           f"{_OPAQUE.format('rcs')}; lives provisioners.control_session_ttl_seconds (default "
           f"{_P.control_session_ttl_seconds}), never extended, closed at activation."),
@@ -69,7 +74,8 @@ SECURITY: dict[str, tuple[str, tuple[str, ...], str]] = {
 # fmt: off
 ERRORS: dict[str, tuple[type[errors.ControlPlaneError], str]] = {
     "validation-error": (errors.InvalidInput, "a body, path or query value is invalid"),
-    "invalid-cursor": (errors.InvalidInput, "`after` is not a `<xid>.<seq>` cursor"),
+    "invalid-cursor": (errors.InvalidInput,
+                       "`after` is not a `<xid>.<seq>` cursor, or `cursor` is not one we gave"),
     "runner-labels-reserved": (errors.InvalidInput, "every supplied label is reserved"),
     "runner-bootstrap-token-invalid": (errors.Unauthorized,
                                        "the bootstrap token is unknown, used, revoked or expired"),
@@ -89,12 +95,19 @@ ERRORS: dict[str, tuple[type[errors.ControlPlaneError], str]] = {
                                        "the runner instance is gone, finished or stopping"),
     "provider-runner-id-taken": (errors.Conflict,
                                  "another instance of the provisioner has that provider id"),
+    "registration-token-consumed": (ephemeral.RegistrationTokenConsumed,
+                                    "the ephemeral registration token was already used"),
     "lease-job-mismatch": (errors.LeaseJobMismatch, "the lease is for another execution"),
     "running-job-execution-not-found": (errors.RunningJobExecutionNotFound,
                                         "this session holds no lease on the execution"),
     "runner-session-exhausted": (errors.RunnerSessionExhausted, "a capped session is used up"),
     "payload-too-large": (errors.PayloadTooLarge, "body or job payload over its limit"),
+    "rate-limited": (ephemeral.RegistrationRateLimited,
+                     "too many attempts with this ephemeral token in its window "
+                     "(`details.retry_after_seconds`, also in Retry-After)"),
     "unavailable": (errors.Unavailable, "too many runners waiting, or a claim failed; retry"),
+    "runners-rate-limit-unavailable": (ephemeral.RateLimitUnavailable,
+                                       "the registration rate limiter failed or timed out"),
     "server-error": (errors.ControlPlaneError, "an unexpected error"),
 }
 # fmt: on
@@ -132,6 +145,36 @@ QUERY: dict[str, dict[str, Any]] = {
         "Seconds to hold the request (at least 1); at most "
         f"provisioners.assignment_poll_max_wait_seconds (default "
         f"{_P.assignment_poll_max_wait_seconds}), which is also the default.",
+    ),
+    "state": _query(
+        "state",
+        {
+            "type": "string",
+            "enum": ["starting", "running", "stopping", "stopped", "failed", "terminated"],
+        },
+        "Only instances in this state.",
+    ),
+    "assignment": _query(
+        "assignment",
+        {"type": "string", "enum": ["assigned", "unassigned"]},
+        "assigned: instances with a workspace; unassigned: without one.",
+    ),
+    "label": _query(
+        "label", {"type": "string"}, "Only instances with this label (matched canonicalised)."
+    ),
+    "provisioner_id": _query("provisioner_id", _UUID, "Only this provisioner's instances."),
+    "limit:page": _query(
+        "limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 50}, "Page size."
+    ),
+    "cursor": _query(
+        "cursor", {"type": "string"}, "Opaque; the `next_cursor` of the previous page."
+    ),
+    "workspace_id:required": {
+        **_query("workspace_id", _UUID, "The workspace."),
+        "required": True,
+    },
+    "workspace_id:reservations": _query(
+        "workspace_id", _UUID, "Only this workspace's reservations."
     ),
     "active": _query(
         "active",
@@ -179,9 +222,10 @@ OPERATIONS: dict[str, Op] = {
     "GET /metrics": Op("Prometheus metrics", answer=_TEXT),
     "GET /openapi.json": Op("This document", answer={"type": "object"}),
     "POST /v1/runners/register": Op(
-        "Register a runner session (manual, or a provisioned runner's activation)", MRT,
-        runners.RegisterRequest, runners.RegisterResponse, "runner-labels-reserved",
-        alternative_auth=(RAT,)),
+        "Register a runner session (manual, or a provisioned runner's activation or ephemeral "
+        "token)", MRT, runners.RegisterRequest, runners.RegisterResponse,
+        "runner-labels-reserved registration-token-consumed rate-limited "
+        "runners-rate-limit-unavailable", alternative_auth=(RAT, ERT)),
     "POST /v1/runners/jobs/request": Op(
         "Long-poll for a job", RS, None, runners.JobResponse,
         "runner-session-exhausted unavailable", ("wait:job",), also={"204": _NO_JOB}),
@@ -221,6 +265,19 @@ OPERATIONS: dict[str, Op] = {
     "GET /v1/admin/runners": Op(
         "Runners seen recently, with their leases", ADM, None, admin.ActiveRunners,
         query=("workspace_id:tokens", "window_seconds")),
+    "GET /v1/admin/runner-instances": Op(
+        "List runner instances of every provisioner, newest first, a page at a time", ADM, None,
+        admin.RunnerInstanceList, "invalid-cursor",
+        query=("state", "assignment", "label", "provisioner_id", "workspace_id:tokens",
+               "limit:page", "cursor")),
+    "GET /v1/admin/runner-instances/active": Op(
+        "A workspace's active runner instances, updated recently", ADM, None,
+        admin.ActiveRunnerInstances, query=("workspace_id:required",)),
+    "GET /v1/admin/runner-instances/counts": Op(
+        "Runner instances per state", ADM, None, admin.RunnerInstanceCounts),
+    "GET /v1/admin/reservations": Op(
+        "Live reservations per workspace, labels and kind", ADM, None, admin.ReservationList,
+        query=("workspace_id:reservations",)),
     "GET /v1/provisioners/me": Op(
         "The calling provisioner's identity", PT, None, provisioners.ProvisionerIdentity,
         "provisioner-token-revoked provisioner-token-expired"),
@@ -261,10 +318,16 @@ _IDEMPOTENT_NOTE = (
 # Longer notes, as each operation's description.
 NOTES = {
     "POST /v1/runners/register": "Labels are canonicalised (trimmed, lower-cased, deduplicated, "
-    "sorted); labels in runners.reserved_labels are dropped, except for an activation token of "
-    "an installation provisioner's runner. A manual token gives an uncapped `manual` session; "
-    "an activation token (one use) gives an `activation` session with `max_claims` 1 and "
-    "closes the runner's control session.",
+    "sorted); labels in runners.reserved_labels are dropped, except for an activation or "
+    "ephemeral token of an installation provisioner. A manual token gives an uncapped `manual` "
+    "session; an activation token (one use) gives an `activation` session with `max_claims` 1 "
+    "and closes the runner's control session; an ephemeral token (one use) gives an "
+    "`ephemeral` session with `max_claims` 1, linked to the provisioner's runner of that "
+    "provider id. Ephemeral attempts are counted per token after the body is validated: "
+    "beyond provisioners.ephemeral_register_rate_limit (default "
+    f"{_P.ephemeral_register_rate_limit}) per provisioners.ephemeral_register_rate_window_seconds "
+    f"(default {_P.ephemeral_register_rate_window_seconds}) they get 429; a used token still "
+    "counts, then gets 409. A 429 or 503 leaves the token unused.",
     "POST /v1/runner-enrollment/exchange": "Unauthenticated; the bootstrap token is the "
     "credential, usable once before provisioners.bootstrap_token_ttl_seconds (default "
     f"{_P.bootstrap_token_ttl_seconds}) pass.",
@@ -290,14 +353,31 @@ NOTES = {
     "POST /v1/jobs/{job_execution_id}/outcome": "An installation-wide key may end an execution "
     "never seen (its tombstone stops a later enqueue); a workspace-scoped key gets 404.",
     "GET /v1/events": "Events after `after`, oldest first; with `wait`, held until one arrives.",
+    "GET /v1/admin/runner-instances": "Installation-wide: instances of workspace and "
+    "installation provisioners alike. Unknown query parameters are 400. Derived per row: "
+    "`lifecycle_state` (unassigned, assigned, activated, claimed; an assigned instance in a "
+    "terminal state is completed), `enrollment_state` (activated: has a runner session; "
+    "enrolled: an open control session; else pending) and `reconciliation_status` (terminal; "
+    "unknown: its provisioner was never seen; stale: its last report or its provisioner's "
+    "last-seen is older than provisioners.stale_runner_threshold_seconds (default "
+    f"{_P.stale_runner_threshold_seconds}); else current).",
+    "GET /v1/admin/runner-instances/active": "Instances in starting, running or stopping "
+    "whose row the server updated within provisioners.runner_active_window_seconds (default "
+    f"{_P.runner_active_window_seconds}); server time, never a reported one.",
     "POST /v1/admin/api-keys": _IDEMPOTENT_NOTE,
     "POST /v1/admin/registration-tokens": _IDEMPOTENT_NOTE,
     "POST /v1/admin/provisioner-tokens": _IDEMPOTENT_NOTE,
 }
 
 
+# Answered by the route itself (web/ephemeral.rate_limited), not through web/errors.STATUS.
+_ROUTE_STATUS: dict[type[errors.ControlPlaneError], int] = {ephemeral.RegistrationRateLimited: 429}
+
+
 def status(code: str) -> int:
     kind = ERRORS[code][0]
+    if kind in _ROUTE_STATUS:
+        return _ROUTE_STATUS[kind]
     return next(value for base, value in STATUS if issubclass(kind, base))
 
 
@@ -333,7 +413,7 @@ def _errors(found: Sequence[str]) -> dict[str, Any]:
         out[str(value)] = {
             "description": "; ".join(f"`{code}`: {ERRORS[code][1]}" for code in group),
             "content": _json({"allOf": [_schema(ErrorEnvelope), only]}),
-            **({"headers": _RETRY} if value == 503 else {}),
+            **({"headers": _RETRY} if value in (429, 503) else {}),
         }
     return out
 

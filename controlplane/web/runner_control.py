@@ -10,19 +10,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from uuid import UUID
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from controlplane import metrics
 from controlplane.actors.assignments import AssignmentBoard
 from controlplane.domain.labels import canonicalise, strip_reserved
 from controlplane.errors import InvalidInput, RunnerLabelsReserved
-from controlplane.store import runner_instances
+from controlplane.store import fleet, runner_instances
 from controlplane.web import auth
 from controlplane.web.edge import hold as hold_until
 from controlplane.web.edge import json_response, query_integer, read_json
+from controlplane.web.services import Services
 from controlplane.wire.runner_control import (
     ActivationResponse,
     EnrollmentRequest,
@@ -58,8 +61,11 @@ async def exchange(request: Request) -> Response:
         async with svc.pool.acquire() as conn:
             done = await runner_instances.exchange_bootstrap(conn, body.bootstrap_token, ttl)
     except runner_instances.BootstrapTokenInvalid:
+        metrics.bootstrap_exchanges.labels("rejected").inc()
         log.info("runner.bootstrap_exchange", extra={"outcome": "rejected"})
         raise
+    metrics.bootstrap_exchanges.labels("accepted").inc()
+    await _observe_created_to_control_session(svc, done.runner_instance_id)
     log.info(
         "runner.bootstrap_exchange",
         extra={"outcome": "accepted", "runner_instance_id": str(done.runner_instance_id)},
@@ -71,6 +77,42 @@ async def exchange(request: Request) -> Response:
             expires_at=done.expires_at,
         )
     )
+
+
+async def _observe_created_to_control_session(svc: Services, runner_id: UUID) -> None:
+    try:
+        async with svc.pool.acquire() as conn:
+            since = await fleet.since_created(conn, runner_id)
+    except Exception as error:  # a metric never fails the request
+        log.warning("metrics.lifecycle_read_failed", extra={"error": repr(error)})
+        return
+    if since is not None:
+        provider = metrics.provider_label(since.provider_kind)
+        metrics.observe_seconds(
+            metrics.created_to_control_session, since.seconds, provider, since.launch_kind
+        )
+
+
+# Assignment rejections that are promotion failures of the spec's vocabulary keep their name;
+# the other rejections of an assignment are `not-assignable` there.
+_PROMOTION_REASONS = {
+    "reservation-expired",
+    "reservation-not-found",
+    "already-assigned",
+    "unexpected",
+}
+
+
+def _count_enrollment(enrolled: runner_instances.Enrollment) -> None:
+    failure = enrolled.promotion_failure
+    if failure is not None:
+        metrics.promotion_failures.labels(
+            failure if failure in _PROMOTION_REASONS else "not-assignable"
+        ).inc()
+        if failure != "unexpected":
+            metrics.assignments_rejected.labels(failure, "enrollment").inc()
+    if enrolled.not_issued is not None:
+        metrics.activation_not_issued.labels(enrolled.not_issued, "enrollment").inc()
 
 
 async def enrollment(request: Request) -> Response:
@@ -99,6 +141,7 @@ async def enrollment(request: Request) -> Response:
             protocol_version=body.protocol_version,
             activation_ttl=ttl,
         )
+    _count_enrollment(enrolled)
     log.info(
         "runner.enrolled",
         extra={
@@ -127,6 +170,7 @@ async def heartbeat(request: Request) -> Response:
     session = await auth.control_session(request)
     async with svc.pool.acquire() as conn:
         await runner_instances.heartbeat(conn, session)
+    metrics.control_heartbeats.inc()
     return json_response(HeartbeatResponse(ok=True))
 
 
@@ -180,7 +224,17 @@ async def assignment(request: Request) -> Response:
         with assignments.watch(runner_id) as event:
             armed[:] = [event]
             async with svc.pool.acquire() as conn:
-                return await runner_instances.poll_activation(conn, runner_id, ttl)
+                # runner_instances.poll_activation, with the reason a token was not issued.
+                if not await runner_instances.has_pending_assignment(conn, runner_id):
+                    return None
+                token, reason = await runner_instances.issue_activation_token(conn, runner_id, ttl)
+        if reason is not None:
+            metrics.activation_not_issued.labels(reason, "poll").inc()
+            log.debug(
+                "runner.activation_not_issued",
+                extra={"runner_instance_id": str(runner_id), "reason": reason},
+            )
+        return token
 
     async def park(seconds: float) -> bool:
         with assignments.watch(runner_id) as event:

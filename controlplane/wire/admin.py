@@ -1,4 +1,4 @@
-"""Admin routes: API keys, manual registration tokens, the queue."""
+"""Admin routes: API keys, manual registration tokens, the queue, the provisioned fleet."""
 
 from __future__ import annotations
 
@@ -69,3 +69,62 @@ class ActiveRunnerOut(Strict):
 
 class ActiveRunners(Strict):
     items: list[ActiveRunnerOut]
+
+
+class InstanceProvisioner(Strict):
+    id: UUID
+    scope: Literal["workspace", "installation"]
+    name: str
+
+
+class RunnerInstanceOut(Strict):
+    id: UUID
+    provisioner: InstanceProvisioner
+    workspace_id: UUID | None  # the assigned workspace
+    provider_runner_id: str | None
+    provider_kind: str | None
+    launch_kind: Literal["demand", "warm", "manual"]
+    template_key: str | None
+    labels: list[str]
+    state: Literal["starting", "running", "stopping", "stopped", "failed", "terminated"]
+    lifecycle_state: Literal["unassigned", "assigned", "activated", "claimed", "completed"]
+    enrollment_state: Literal["pending", "enrolled", "activated"]
+    reconciliation_status: Literal["current", "stale", "terminal", "unknown"]
+    reason: str | None
+    created_at: datetime
+    updated_at: datetime
+    reported_at: datetime
+    assigned_at: datetime | None
+    first_claimed_at: datetime | None
+    closed_at: datetime | None
+
+
+class RunnerInstanceList(Strict):
+    items: list[RunnerInstanceOut]
+    next_cursor: str | None
+
+
+class ActiveRunnerInstances(Strict):
+    items: list[RunnerInstanceOut]
+
+
+class StateCount(Strict):
+    state: str
+    count: int
+
+
+class RunnerInstanceCounts(Strict):
+    states: list[StateCount]
+
+
+class ReservationGroup(Strict):
+    workspace_id: UUID
+    labels: list[str]
+    kind: Literal["launch", "bound"]
+    reservations: int
+    units: int
+    next_expiry: datetime
+
+
+class ReservationList(Strict):
+    items: list[ReservationGroup]

@@ -8,6 +8,7 @@ import uuid
 import asyncpg
 import pytest
 
+from tests import provisioning
 from tests.system import agents
 from tests.system.conftest import SpawnDaemon
 
@@ -105,6 +106,39 @@ async def test_status_prints_the_queue_per_workspace(
         [str(other.workspace), "1", "0"],
         ["TOTAL", "3", "0"],
     ]
+
+
+async def test_status_adds_the_fleet_when_there_is_one(
+    spawn_daemon: SpawnDaemon, database_url: str
+) -> None:
+    creds = await agents.make_credentials(database_url)
+    conn = await asyncpg.connect(database_url)
+    try:
+        live = await provisioning.provisioner(conn, creds.workspace)
+        await provisioning.provisioner(conn, None)  # never seen: not active, not shown
+        await conn.execute(
+            "UPDATE provisioner_tokens SET last_seen_at = now() WHERE id = $1", live.id
+        )
+        await provisioning.reservation(
+            conn, workspace_id=creds.workspace, provisioner_id=live.id, labels=("linux", "x64"),
+            count=2,
+        )  # fmt: skip
+        for state in ("running", "running", "failed"):
+            await provisioning.runner(conn, live.id, state=state)
+    finally:
+        await conn.close()
+    async with spawn_daemon() as daemon:
+        shown = await agents.run_client(
+            "status", "--url", daemon.address, CONTROLPLANE_ADMIN_KEY=creds.admin_key
+        )
+    assert shown.returncode == 0, shown.stderr
+    tables = [[line.split() for line in block.splitlines()] for block in shown.stdout.split("\n\n")]
+    queue, provisioners, reservations, instances = tables
+    assert queue == [["WORKSPACE", "PENDING", "RUNNING"], ["TOTAL", "0", "0"]]
+    assert provisioners[0] == ["PROVISIONER", "SCOPE", "WORKSPACE", "LAST_SEEN"]
+    assert [row[:3] for row in provisioners[1:]] == [[live.name, "workspace", str(creds.workspace)]]
+    assert reservations[1][:4] == [str(creds.workspace), "linux,x64", "launch", "2"]
+    assert instances == [["INSTANCE_STATE", "COUNT"], ["running", "2"], ["failed", "1"]]
 
 
 async def test_status_refuses_an_orchestrator_key() -> None:
