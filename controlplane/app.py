@@ -253,6 +253,9 @@ class Daemon:
                     seconds=settings.provisioners.stale_runner_threshold_seconds
                 ),
                 reaper_limit=settings.provisioners.stale_runner_reaper_limit,
+                ephemeral_retention=timedelta(
+                    days=settings.provisioners.ephemeral_token_retention_days
+                ),
             ),
         )
         server = _Server(

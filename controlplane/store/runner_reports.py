@@ -21,8 +21,8 @@ A runner's unit is released at most once: every release UPDATE re-checks
 The workspace lock additionally serialises a terminal projection against the release of the same
 runner by a report, reconcile or the reaper (P-48, P-49).
 
-Not here yet: ephemeral registration tokens (step 3 of 4.8, the session override of P-95) do not
-exist in this schema; metrics are the callers' job (they get the counts back).
+Step 3 of 4.8 (P-95) reads `store/ephemeral.py`'s tokens without a lock. Metrics are the
+callers' job (they get the counts back).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from uuid import UUID
 
 import msgspec
 
+from controlplane.domain.jobs import EndedLease
 from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
 from controlplane.domain.runner_instances import (
     ProvisionedRunner,
@@ -46,7 +47,7 @@ from controlplane.domain.runner_instances import (
     report_supersedes,
 )
 from controlplane.errors import Conflict
-from controlplane.store import locks
+from controlplane.store import ephemeral, locks
 from controlplane.store.pool import Conn
 from controlplane.store.reservations import (
     db_now,
@@ -238,9 +239,10 @@ async def report(
     Locks, in order: the workspace lock (`workspace ?? provisioner`) when any winner is terminal;
     the assignment locks of reported and stored reservation ids, then the existing rows, when any
     event carries a reservation id or is terminal (`lock_linked_runners`); the upsert's rows in
-    provider-id order; the release's reservation rows. Step 3 (ephemeral-token session override)
-    is skipped: those tokens do not exist yet. `activation_timeout` only decides which honored
-    terminate intents are reported as `activation-timeout`.
+    provider-id order; the release's reservation rows. Step 3 (a workspace provisioner's
+    runner is credited with the session of its latest consumed ephemeral token) takes no lock.
+    `activation_timeout` only decides which honored terminate intents are reported as
+    `activation-timeout`.
     """
     workspace_scope = provisioner.scope == "workspace"
     winners = _aggregate(
@@ -252,6 +254,13 @@ async def report(
     async with conn.transaction():
         if any_terminal:
             await lock_workspace(conn, provisioner.workspace_id or provisioner.id)
+        if workspace_scope and provisioner.workspace_id is not None:  # step 3 (P-95)
+            credited = await ephemeral.consumed_sessions(
+                conn, provisioner.workspace_id, provisioner.id, list(winners)
+            )
+            for pid, session_id in credited.items():
+                w = winners[pid]
+                winners[pid] = _Winner(replace(w.event, runner_session_id=session_id), w.milestones)
         stored: dict[str, ProvisionedRunner] = {}
         if any_terminal or any(w.event.reservation_id for w in winners.values()):
             stored = await _guard(conn, provisioner, winners)
@@ -813,3 +822,25 @@ async def reap_stale_runners(conn: Conn, *, threshold: timedelta, limit: int) ->
                 require_unlinked_session=False,
             )
     return reaped, released
+
+
+async def release_after_leases(conn: Conn, ended: Sequence[EndedLease]) -> int:
+    """Lease finalisation (spec 4.14): when the lease of a provisioned runner ended (reaped,
+    or ended by the orchestrator), release the runner's reservation unit if the runner is
+    terminal by now and still holds it (`release_terminal` with `require_terminal_state=False`:
+    lock, then re-check terminal; a unit released at first claim is not released again). Each
+    lease in its own transaction, after the lease's own transaction committed: a crash in
+    between leaves the unit to the stale reaper's drain or the reservation's expiry."""
+    released = 0
+    for lease in ended:
+        if lease.provisioner_id is None or lease.provider_runner_id is None:
+            continue
+        released += await release_terminal(
+            conn,
+            workspace_id=lease.identity.workspace_id,
+            provisioner_id=lease.provisioner_id,
+            provider_runner_ids=[lease.provider_runner_id],
+            require_unlinked_session=False,
+            require_terminal_state=False,
+        )
+    return released

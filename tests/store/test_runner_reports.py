@@ -16,9 +16,11 @@ from uuid import UUID
 import anyio
 import asyncpg
 
+from controlplane.actors.maintenance import Leadership, Maintenance
+from controlplane.domain.jobs import StaleRule
 from controlplane.domain.runner_instances import RunnerState
 from controlplane.store import locks, runner_reports
-from controlplane.store.pool import Conn
+from controlplane.store.pool import Conn, PoolSettings
 from controlplane.store.provisioners import Provisioner
 from controlplane.store.runner_reports import HonoredIntent, RunnerEvent
 from tests import provisioning
@@ -539,13 +541,34 @@ async def test_j63_a_running_runner_keeps_its_reservation(conn: Conn, workspace:
 
 
 async def test_j65_reaping_the_lease_of_a_terminal_runner_deletes_its_reservation(
-    conn: Conn, workspace: UUID
+    pool: asyncpg.Pool, conn: Conn, workspace: UUID
 ) -> None:
+    """Through the maintenance reaper itself: the stale lease expires, then the failed runner's
+    unit goes back (its reservation of 1 is deleted)."""
     prov = await provisioner(conn, workspace)
     res = await reservation(conn, workspace_id=workspace, provisioner_id=prov.id, count=1)
     rid = await runner(conn, prov.id, workspace_id=workspace, reservation_id=res, state="failed")
-    assert await release_for_lease(conn, prov, rid) == 1
-    assert await count_of(conn, res) is None and await released_at(conn, rid) is not None
+    execution = await lease(conn, workspace, prov.id, await pid_of(conn, rid))
+    await conn.execute(  # silent for an hour: no heartbeat since
+        "UPDATE running_jobs SET started_at = now() - interval '1 hour',"
+        " last_heartbeat_at = now() - interval '1 hour' WHERE job_execution_id = $1",
+        execution,
+    )
+    maintenance = Maintenance(
+        pool,
+        Leadership(PoolSettings(url="postgresql://unused")),
+        rule=StaleRule(),
+        reaper_interval=1,
+        reaper_limit=10,
+        gc_interval=1,
+        gc_limit=10,
+        manual_retention=timedelta(days=1),
+        capped_retention=timedelta(days=1),
+    )
+    assert await maintenance.reap_once() == 1
+    assert await conn.fetchval("SELECT count(*) FROM running_jobs") == 0
+    assert await count_of(conn, res) is None
+    assert await released_at(conn, rid) is not None
 
 
 async def test_j141_a_terminal_runner_keeps_its_unit_while_an_uncancelled_lease_lives(
