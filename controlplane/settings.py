@@ -80,7 +80,7 @@ class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     demand_safety_tick_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=600)] = 2.0
     active_window_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 120
     bootstrap_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
-    control_session_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 3600
+    control_session_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 3600
     activation_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
     assignment_poll_max_wait_seconds: Annotated[int, msgspec.Meta(ge=1, le=300)] = 30
     demand_activation_timeout_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 300

@@ -79,3 +79,45 @@ def test_unknown_environment_setting_and_bad_file_are_refused(tmp_path: Path) ->
         settings.load(bad, environ={})
     with pytest.raises(ConfigError, match="not found"):
         settings.load(tmp_path / "missing.toml", environ={})
+
+
+@pytest.mark.parametrize(
+    "knob",
+    [
+        "BOOTSTRAP_TOKEN_TTL_SECONDS",
+        "CONTROL_SESSION_TTL_SECONDS",
+        "ACTIVATION_TOKEN_TTL_SECONDS",
+        "EPHEMERAL_TOKEN_TTL_SECONDS",
+        "RESERVATION_TTL_MAX_SECONDS",
+    ],
+)
+def test_s95_token_and_reservation_lifetimes_above_an_hour_are_refused(knob: str) -> None:
+    with pytest.raises(ConfigError, match=f"provisioners.{knob.lower()}"):
+        settings.load(environ={f"CONTROLPLANE_PROVISIONERS_{knob}": "3601"})
+    ok = settings.load(environ={f"CONTROLPLANE_PROVISIONERS_{knob}": "3600"})
+    assert getattr(ok.provisioners, knob.lower()) == 3600
+
+
+def test_s96_the_default_lifetime_may_not_exceed_the_ceiling() -> None:
+    with pytest.raises(ConfigError, match="reservation_ttl_seconds must not exceed"):
+        settings.load(
+            environ={
+                "CONTROLPLANE_PROVISIONERS_RESERVATION_TTL_SECONDS": "120",
+                "CONTROLPLANE_PROVISIONERS_RESERVATION_TTL_MAX_SECONDS": "100",
+            }
+        )
+
+
+@pytest.mark.parametrize(
+    "throttle", ["PROVISIONERS_LAST_SEEN_THROTTLE_SECONDS", "RUNNERS_LIVENESS_THROTTLE_SECONDS"]
+)
+def test_s98_the_stale_runner_threshold_must_exceed_both_throttles(throttle: str) -> None:
+    env = {"CONTROLPLANE_PROVISIONERS_STALE_RUNNER_THRESHOLD_SECONDS": "60"}
+    with pytest.raises(ConfigError, match="stale_runner_threshold_seconds must exceed"):
+        settings.load(environ={**env, f"CONTROLPLANE_{throttle}": "60"})
+    assert settings.load(environ={**env, f"CONTROLPLANE_{throttle}": "59"})
+
+
+def test_s100_the_assignment_wait_must_be_at_least_a_second() -> None:
+    with pytest.raises(ConfigError, match="assignment_poll_max_wait_seconds"):
+        settings.load(environ={"CONTROLPLANE_PROVISIONERS_ASSIGNMENT_POLL_MAX_WAIT_SECONDS": "0"})

@@ -72,7 +72,9 @@ async def test_a_grant_becomes_a_runner_that_runs_the_job(api: Api, db: asyncpg.
     await ws.close()
 
 
-async def test_p57_an_idle_warm_runner_is_bound_to_new_demand(api: Api, db: asyncpg.Connection) -> None:
+async def test_p57_an_idle_warm_runner_is_bound_to_new_demand(
+    api: Api, db: asyncpg.Connection
+) -> None:
     """Warm pool: the server asks for an idle runner; when a job arrives it binds that runner
     (no launch grant) and the runner's assignment long-poll hands it an activation token."""
     _, token = await workspace_provisioner(api, db)
