@@ -36,30 +36,7 @@ HOUR = timedelta(hours=1)
 MINUTE = timedelta(minutes=1)
 
 
-async def runner(
-    conn: Conn, provisioner_id: UUID, *, control_session: str | None = "live", **kw: Any
-) -> UUID:
-    """`tests.provisioning.runner`, opening its control session here: the shared factory hands
-    asyncpg a string for an interval parameter, which it rejects."""
-    runner_id = await rows.runner(conn, provisioner_id, control_session=None, **kw)
-    if control_session is not None:
-        token = tokens.new_opaque(tokens.Kind.CONTROL_SESSION)
-        await conn.execute(
-            """
-            INSERT INTO runner_control_sessions
-                (runner_instance_id, provisioner_id, token_sha256, display_prefix, expires_at,
-                 closed_at, close_reason)
-            VALUES ($1, $2, $3, $4, now() + $5::interval,
-                    CASE WHEN $6 THEN now() END, CASE WHEN $6 THEN 'activated' END)
-            """,
-            runner_id,
-            provisioner_id,
-            token.sha256,
-            token.display_prefix,
-            timedelta(seconds=-1) if control_session == "expired" else HOUR,
-            control_session == "closed",
-        )
-    return runner_id
+runner = rows.runner
 
 
 def template(slots: int = 10, labels: LabelSet = LINUX, key: str = "small") -> Template:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
-from typing import Any
 from uuid import UUID
 
 import anyio
@@ -30,41 +29,8 @@ from tests.factories import holding_lock, wait_until_blocked
 TTL = timedelta(minutes=5)
 
 
-async def open_control_session(
-    conn: Conn, runner_id: UUID, provisioner_id: UUID, how: str = "live"
-) -> str:
-    """Like tests.provisioning.open_control_session, which passes its interval as a string
-    that asyncpg refuses (reported); returns the raw token."""
-    token = tokens.new_opaque(tokens.Kind.CONTROL_SESSION)
-    expires = {"live": timedelta(hours=1), "expired": timedelta(seconds=-1)}.get(
-        how, timedelta(hours=1)
-    )
-    await conn.execute(
-        """
-        INSERT INTO runner_control_sessions
-            (runner_instance_id, provisioner_id, token_sha256, display_prefix, expires_at,
-             closed_at, close_reason)
-        VALUES ($1, $2, $3, $4, now() + $5::interval,
-                CASE WHEN $6 THEN now() END, CASE WHEN $6 THEN 'activated' END)
-        """,
-        runner_id,
-        provisioner_id,
-        token.sha256,
-        token.display_prefix,
-        expires,
-        how == "closed",
-    )
-    return token.raw
-
-
-async def make_runner(
-    conn: Conn, provisioner_id: UUID, *, control_session: str | None = "live", **fields: Any
-) -> UUID:
-    """tests.provisioning.runner, with the control session opened by `open_control_session`."""
-    runner_id = await provisioning.runner(conn, provisioner_id, control_session=None, **fields)
-    if control_session is not None:
-        await open_control_session(conn, runner_id, provisioner_id, control_session)
-    return runner_id
+open_control_session = provisioning.open_control_session
+make_runner = provisioning.runner
 
 
 async def _session(conn: Conn, runner_id: UUID, provisioner_id: UUID) -> ControlSession:

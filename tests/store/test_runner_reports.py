@@ -33,8 +33,8 @@ RUNNING, STARTING, STOPPING = RunnerState.RUNNING, RunnerState.STARTING, RunnerS
 
 
 async def runner(conn: Conn, provisioner_id: UUID, **fields: Any) -> UUID:
-    """`tests.provisioning.runner` without the control session it opens by default: its
-    `open_control_session` binds a str to an interval parameter, which asyncpg rejects."""
+    """`tests.provisioning.runner`, without a control session unless one is asked for: reports,
+    reconcile and the reaper never look at it."""
     fields.setdefault("control_session", None)
     return await provisioning.runner(conn, provisioner_id, **fields)
 
