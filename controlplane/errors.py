@@ -56,6 +56,16 @@ class RunnerSessionExhausted(Conflict):
         super().__init__("The runner session has no claims left")
 
 
+class RateLimited(ControlPlaneError):
+    """Too many attempts in a window; answered 429 with Retry-After."""
+
+    code = "rate-limited"
+
+    def __init__(self, message: str, *, retry_after_seconds: int) -> None:
+        super().__init__(message, retry_after_seconds=retry_after_seconds)
+        self.retry_after_seconds = retry_after_seconds
+
+
 class Unavailable(ControlPlaneError):
     """The database is unreachable or timed out; the request may be retried."""
 

@@ -35,6 +35,7 @@ from controlplane.errors import (
     Conflict,
     ControlPlaneError,
     InvalidInput,
+    RateLimited,
     Unauthorized,
     Unavailable,
 )
@@ -68,18 +69,14 @@ class RegistrationTokenWorkspaceMismatch(ControlPlaneError):
     code = "registration-token-workspace-mismatch"
 
 
-class RegistrationRateLimited(ControlPlaneError):
-    """Too many registration attempts with one token in its window. Answered 429 with
-    Retry-After by the route (web/ephemeral.py), not through web/errors.py's table."""
-
-    code = "rate-limited"
+class RegistrationRateLimited(RateLimited):
+    """Too many registration attempts with one token in its window (429 with Retry-After)."""
 
     def __init__(self, retry_after_seconds: int) -> None:
         super().__init__(
             "too many registration attempts with this token; retry later",
             retry_after_seconds=retry_after_seconds,
         )
-        self.retry_after_seconds = retry_after_seconds
 
 
 class RateLimitUnavailable(Unavailable):

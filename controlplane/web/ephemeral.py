@@ -1,19 +1,16 @@
 """Ephemeral registration tokens at the edge: minting over a provisioner's control session
-(`mint_ephemeral`, called by web/control_requests.py inside the session's fenced transaction),
-and the 429 a rate-limited registration gets (`rate_limited`, used by web/runners.py)."""
+(`mint_ephemeral`, called by web/control_requests.py inside the session's fenced transaction).
+A rate-limited registration is answered 429 through web/errors.py's table."""
 
 from __future__ import annotations
 
 import logging
 from datetime import timedelta
 
-from starlette.responses import Response
-
 from controlplane.errors import InvalidInput
 from controlplane.store import ephemeral
 from controlplane.store.pool import Conn
 from controlplane.store.provisioners import Provisioner
-from controlplane.web.errors import error_response
 from controlplane.web.services import Services
 from controlplane.wire import control as wire
 
@@ -58,11 +55,3 @@ async def mint_ephemeral(
             for t in minted
         ],
     )
-
-
-def rate_limited(error: ephemeral.RegistrationRateLimited) -> Response:
-    """429 in the usual envelope, with Retry-After (web/errors.py's table has no 429 row)."""
-    response = error_response(error)
-    response.status_code = 429
-    response.headers["Retry-After"] = str(error.retry_after_seconds)
-    return response

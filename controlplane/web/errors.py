@@ -20,6 +20,7 @@ STATUS: list[tuple[type[errors.ControlPlaneError], int]] = [
     (errors.ShuttingDown, 503),
     (errors.Unavailable, 503),
     (errors.PayloadTooLarge, 413),
+    (errors.RateLimited, 429),
     (errors.Unauthorized, 401),
     (errors.Forbidden, 403),
     (errors.NotFound, 404),
@@ -42,6 +43,8 @@ def error_response(error: errors.ControlPlaneError) -> Response:
     headers = {}
     if isinstance(error, errors.Unavailable):
         headers["Retry-After"] = "1"
+    elif isinstance(error, errors.RateLimited):
+        headers["Retry-After"] = str(error.retry_after_seconds)
     return Response(
         _encoder.encode(body), status_of(error), headers=headers, media_type="application/json"
     )

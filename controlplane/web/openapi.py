@@ -370,14 +370,8 @@ NOTES = {
 }
 
 
-# Answered by the route itself (web/ephemeral.rate_limited), not through web/errors.STATUS.
-_ROUTE_STATUS: dict[type[errors.ControlPlaneError], int] = {ephemeral.RegistrationRateLimited: 429}
-
-
 def status(code: str) -> int:
     kind = ERRORS[code][0]
-    if kind in _ROUTE_STATUS:
-        return _ROUTE_STATUS[kind]
     return next(value for base, value in STATUS if issubclass(kind, base))
 
 

@@ -27,7 +27,7 @@ from controlplane.errors import (
 from controlplane.store import ephemeral as ephemeral_store
 from controlplane.store import executions, leases, queue, runner_instances, sessions
 from controlplane.store.pool import borrow
-from controlplane.web import auth, ephemeral
+from controlplane.web import auth
 from controlplane.web.edge import hold, json_response, path_uuid, query_number, read_json
 from controlplane.web.services import Services
 from controlplane.wire.common import Capabilities
@@ -160,7 +160,7 @@ async def _register_ephemeral(request: Request) -> Response:
             "runner.register_rate_limited",
             extra={**ids, "retry_after_seconds": error.retry_after_seconds},
         )
-        return ephemeral.rate_limited(error)
+        raise
     except ephemeral_store.RateLimitUnavailable as error:
         log.error(
             "runner.register_rate_limit_unavailable",
