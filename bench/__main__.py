@@ -1,24 +1,35 @@
-"""`python -m bench [name ...]`: run the named benchmarks (default: all), then the report."""
+"""`python -m bench [name ...]`: run the named benchmarks (default: all but the explicit ones),
+then the report. The soak (minutes of kills) and the standalone peers run only when named."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Awaitable, Callable
 
 import anyio
 
-from bench import demand, dispatch, report, throughput
+from bench import demand, dispatch, peers, report, scale, soak, throughput
 
-BENCHES = {"dispatch": dispatch.run, "demand": demand.run, "throughput": throughput.run}
+Bench = Callable[[], Awaitable[object]]
+
+BENCHES: dict[str, Bench] = {
+    "dispatch": dispatch.run,
+    "demand": demand.run,
+    "throughput": throughput.run,
+    "scale": scale.run,
+}
+EXPLICIT: dict[str, Bench] = {"soak": soak.run, "peers": peers.run}
 
 
 def main(argv: list[str]) -> int:
     names = argv or list(BENCHES)
-    unknown = [name for name in names if name not in BENCHES]
+    known = {**BENCHES, **EXPLICIT}
+    unknown = [name for name in names if name not in known]
     if unknown:
-        sys.stderr.write(f"unknown benchmark(s): {', '.join(unknown)}; have {', '.join(BENCHES)}\n")
+        sys.stderr.write(f"unknown benchmark(s): {', '.join(unknown)}; have {', '.join(known)}\n")
         return 2
     for name in names:
-        anyio.run(BENCHES[name])
+        anyio.run(known[name])
     report.main()
     return 0
 

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import signal
 import statistics
 import subprocess
@@ -27,7 +28,9 @@ from controlplane.store import migrations
 from controlplane.store.embedded import EmbeddedPostgres
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+# BENCH_RESULTS sends result files (and the report rendered from them) elsewhere, e.g. /tmp for
+# a smoke run, so the recorded figures in bench/results/ are not overwritten by smoke numbers.
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "results")
 
 
 def pg_bin_dir() -> Path:
@@ -104,6 +107,37 @@ def postgres() -> Iterator[str]:
             server.stop("fast")
 
 
+async def drop_database(database_url: str) -> None:
+    server_url, name = database_url.rsplit("/", 1)
+    admin = await asyncpg.connect(f"{server_url}/postgres")
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+async def database_counters(conn: asyncpg.Connection) -> dict[str, int]:
+    """This database's cumulative activity (pg_stat_database, pg_stat_user_tables).
+
+    Backends flush their statistics when idle, at most once a second (or after 10 s for a busy
+    one), so take deltas over windows much longer than that."""
+    row = await conn.fetchrow(
+        """
+        SELECT d.xact_commit, d.xact_rollback, d.tup_returned, d.tup_fetched, d.tup_inserted,
+               d.tup_updated, d.tup_deleted, d.deadlocks,
+               (SELECT coalesce(sum(seq_scan), 0) FROM pg_stat_user_tables)::bigint AS seq_scan,
+               (SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_tables)::bigint AS idx_scan
+        FROM pg_stat_database d WHERE d.datname = current_database()
+        """
+    )
+    assert row is not None
+    return {key: int(value) for key, value in row.items()}
+
+
+def counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {key: after[key] - before[key] for key in before}
+
+
 async def fresh_database(server_url: str) -> str:
     name = f"cp_bench_{uuid.uuid4().hex[:10]}"
     admin = await asyncpg.connect(server_url)
@@ -142,9 +176,16 @@ class Replica:
     address: str
 
 
-@contextlib.asynccontextmanager
-async def replicas(database_url: str, count: int, **env: str) -> AsyncIterator[list[Replica]]:
-    started: list[Replica] = []
+def raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard limit (daemons started later inherit
+    it); return the new soft limit."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+async def start_replica(database_url: str, **env: str) -> Replica:
+    """One daemon process on a free port, started and listening."""
     environment = {
         **os.environ,
         "DATABASE_URL": database_url,
@@ -152,26 +193,44 @@ async def replicas(database_url: str, count: int, **env: str) -> AsyncIterator[l
         "CONTROLPLANE_DATABASE_POOL_MAX_SIZE": "40",
         **env,
     }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "controlplane.cli", "--log-level", "warning", "serve"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=environment,
+    )
+    assert process.stdout is not None
+    try:
+        with anyio.fail_after(60):
+            line = (await anyio.to_thread.run_sync(process.stdout.readline)).decode()
+    except BaseException:
+        process.kill()
+        raise
+    if not line.startswith("controlplane listening on "):
+        process.kill()
+        raise RuntimeError(f"replica did not start: {line!r}")
+    return Replica(process, line.strip().rsplit(" ", 1)[1])
+
+
+def stop_replicas(started: Sequence[Replica]) -> None:
+    """SIGTERM every replica still running, then wait (SIGKILL after 20 s)."""
+    for replica in started:
+        if replica.process.poll() is None:
+            replica.process.send_signal(signal.SIGTERM)
+    for replica in started:
+        try:
+            replica.process.wait(20)
+        except subprocess.TimeoutExpired:
+            replica.process.kill()
+            replica.process.wait()
+
+
+@contextlib.asynccontextmanager
+async def replicas(database_url: str, count: int, **env: str) -> AsyncIterator[list[Replica]]:
+    started: list[Replica] = []
     try:
         for _ in range(count):
-            process = subprocess.Popen(
-                [sys.executable, "-m", "controlplane.cli", "--log-level", "warning", "serve"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                env=environment,
-            )
-            assert process.stdout is not None
-            with anyio.fail_after(60):
-                line = (await anyio.to_thread.run_sync(process.stdout.readline)).decode()
-            if not line.startswith("controlplane listening on "):
-                raise RuntimeError(f"replica did not start: {line!r}")
-            started.append(Replica(process, line.strip().rsplit(" ", 1)[1]))
+            started.append(await start_replica(database_url, **env))
         yield started
     finally:
-        for replica in started:
-            replica.process.send_signal(signal.SIGTERM)
-        for replica in started:
-            try:
-                replica.process.wait(20)
-            except subprocess.TimeoutExpired:
-                replica.process.kill()
+        stop_replicas(started)

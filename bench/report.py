@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from bench.harness import RESULTS, ROOT
 
-DOC = ROOT / "docs" / "benchmarks.md"
+# A run with BENCH_RESULTS set (a smoke run) renders beside its results, not into docs/.
+DOC = (
+    RESULTS / "benchmarks.md"
+    if os.environ.get("BENCH_RESULTS")
+    else ROOT / "docs" / "benchmarks.md"
+)
 NOTES = ROOT / "bench" / "notes.md"
 
 
@@ -65,6 +71,179 @@ def _throughput(result: dict[str, Any]) -> list[str]:
             f"| {count} | {row['http_jobs_per_s']} | {row['sql_jobs_per_s']} | "
             f"{row['http_to_sql']} |"
         )
+    if "peers" in result:
+        lines += ["", *_peer_table(result["peers"], result["peers"]["by_concurrency"])]
+    return [*lines, ""]
+
+
+def _peer_table(found: dict[str, Any], runs: dict[str, Any]) -> list[str]:
+    versions = ", ".join(f"{name} {version}" for name, version in found["versions"].items())
+    lines = [
+        "Peers on the same server, no-op jobs, one job per fetch (pgqueuer `batch_size=1`; "
+        "procrastinate fetches one job per sub-worker), worker concurrency = our runner count; "
+        f"our HTTP and SQL figures measured again just before them ({versions or 'none'}). "
+        "Targets: ours at least 3x procrastinate and at least 1x pgqueuer.",
+        "",
+        "| concurrency | peer | peer jobs/s | our HTTP jobs/s | ours / peer | "
+        "SQL floor jobs/s | peer / SQL |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for size, row in runs.items():
+        for peer, figures in row["peers"].items():
+            lines.append(
+                f"| {size} | {peer} | {figures['jobs_per_s']} | {row['http_jobs_per_s']} | "
+                f"{figures['http_to_peer']} | {row['sql_jobs_per_s']} | {figures['peer_to_sql']} |"
+            )
+    for reason in found.get("skipped", {}).values():
+        lines += ["", f"Skipped: {reason}."]
+    return lines
+
+
+def _peers(result: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Peers (standalone run of bench/peers.py)",
+        "",
+        f"Machine: {_machine(result)}. {result['jobs_per_run']} jobs per run; HTTP through two "
+        "replicas.",
+        "",
+    ]
+    found = {"versions": result["versions"], "skipped": result.get("skipped", {})}
+    return [*lines, *_peer_table(found, result["runs"]), ""]
+
+
+def _scale(result: dict[str, Any]) -> list[str]:
+    lines = ["## Scale", "", f"Machine: {_machine(result)}.", ""]
+    if "parked" in result:
+        parked, base, loaded = (
+            result["parked"],
+            result["parked"]["baseline"],
+            result["parked"]["loaded"],
+        )
+        lines += [
+            f"### {parked['parked']} parked long-polls on one replica, idle",
+            "",
+            f"Each state measured over {loaded['window_s']} s on the same daemon process; "
+            "database work from pg_stat_database / pg_stat_user_tables (pg_stat_statements is "
+            "not loaded). Target: under 300 MB with no per-runner database queries.",
+            "",
+            "| state | RSS MiB | peak RSS MiB | CPU % | xacts/min | scans/min | rows written/min |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, row in (("baseline: 0 parked", base), (f"{parked['parked']} parked", loaded)):
+            lines.append(
+                f"| {name} | {row['rss_mib']} | {row['peak_rss_mib']} | {row['cpu_percent']} | "
+                f"{row['xact_commit_per_min']} | {row['scans_per_min']} | "
+                f"{row['rows_written_per_min']} |"
+            )
+        lines += [
+            "",
+            f"Per parked runner: {parked['rss_per_runner_kib']} KiB of RSS, "
+            f"{parked['extra_xacts_per_runner_per_min']} extra transactions a minute "
+            f"({loaded['polls_answered_per_min']} long polls answered a minute, each "
+            "re-asked at once).",
+            "",
+        ]
+    if "pending" in result:
+        pending = result["pending"]
+        lines += [
+            "### Claim latency against a deep queue",
+            "",
+            f"The store's `queue.claim` on direct connections, {pending['samples']} timed "
+            "claims per size, each followed by an untimed enqueue so the depth holds; rows "
+            "spread over 10 workspaces. Target: the deepest queue within 1.5x of the shallowest.",
+            "",
+            "| pending rows | p50 ms (1 conn) | p99 ms (1 conn) | "
+            f"p50 ms ({pending['connections']} conns) | p99 ms ({pending['connections']} conns) |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        many = f"{pending['connections']}_connections"
+        for size, row in pending["sizes"].items():
+            lines.append(
+                f"| {size} | {row['one_connection']['p50_ms']} | "
+                f"{row['one_connection']['p99_ms']} | {row[many]['p50_ms']} | "
+                f"{row[many]['p99_ms']} |"
+            )
+        ratio = pending["ratio_deepest_to_smallest"]
+        lines += [
+            f"| deepest / shallowest | {ratio['one_connection']['p50_ms']} | "
+            f"{ratio['one_connection']['p99_ms']} | {ratio[many]['p50_ms']} | "
+            f"{ratio[many]['p99_ms']} |",
+            "",
+        ]
+    if "reaper" in result:
+        reaper = result["reaper"]
+        lines += [
+            "### The reaper under load",
+            "",
+            f"{reaper['stale_leases']} leases stale for an hour inserted at once while "
+            f"{reaper['runners']} HTTP runners run the whole lifecycle against one replica "
+            f"(reaper every {reaper['reaper_interval_s']} s, {reaper['reaper_batch_limit']} "
+            f"leases per statement). All expired {reaper['insert_to_drained_s']} s after the "
+            f"insert, {reaper['first_to_last_expired_s']} s from the first to the last; "
+            f"{reaper['expired_tombstones']} tombstones written.",
+            "",
+            "| lifecycle jobs/s | before (baseline) | while reaping | after | during / before |",
+            "|---|---:|---:|---:|---:|",
+            f"| one replica | {reaper['jobs_per_s_before']} | {reaper['jobs_per_s_during']} | "
+            f"{reaper['jobs_per_s_after']} | {reaper['during_to_before']} |",
+            "",
+        ]
+    if "replicas" in result:
+        scaling = result["replicas"]
+        lines += [
+            "### Throughput by replica count",
+            "",
+            f"bench/throughput.py's HTTP lifecycle, {scaling['runners']} runners, "
+            f"{scaling['jobs_per_run']} jobs per run; SQL floor (same runners as direct "
+            f"connections) {scaling['sql_jobs_per_s']} jobs/s in the same run.",
+            "",
+            "| replicas | HTTP jobs/s | HTTP / SQL |",
+            "|---:|---:|---:|",
+        ]
+        for count, row in scaling["replicas"].items():
+            lines.append(f"| {count} | {row['http_jobs_per_s']} | {row['http_to_sql']} |")
+        lines.append("")
+    return lines
+
+
+def _soak(result: dict[str, Any]) -> list[str]:
+    found, given, activity = result["audit"], result["parameters"], result["activity"]
+    lines = [
+        "## Soak",
+        "",
+        f"Machine: {_machine(result)}. {given['minutes']} min of chaos: {given['replicas']} "
+        f"replicas, {given['runners']} runners, {given['provisioners']} provisioners, "
+        f"{given['jobs_per_s']} jobs/s enqueued ({given['provisioned_share']:.0%} for "
+        f"provisioned runners), a kill every {given['chaos_every_s']} s on average (seed "
+        f"{given['seed']}): {activity.get('replica_kills', 0)} replica SIGKILLs, "
+        f"{activity.get('runner_kills', 0)} runners or machines killed, "
+        f"{activity.get('machines_started', 0)} machines launched, "
+        f"{activity.get('provisioner_reconnects', 0)} provisioner reconnects. Then the queue "
+        f"drained; {result['elapsed_s']} s in all.",
+        "",
+        "| audit | count | must be |",
+        "|---|---:|---|",
+    ]
+    for key, name in (
+        ("enqueued", "jobs enqueued"),
+        ("completed", "completed"),
+        ("expired", "expired"),
+        ("cancelled", "cancelled"),
+        ("pending", "still pending"),
+        ("running", "still running"),
+    ):
+        lines.append(f"| {name} | {found[key]} | |")
+    for key in (
+        "lost",
+        "run_twice",
+        "deadlocks",
+        "resurrected",
+        "terminal_events_twice",
+        "tombstones_without_event",
+        "ended_but_queued",
+        "acked_but_not_succeeded",
+    ):
+        lines.append(f"| {key.replace('_', ' ')} | {found[key]} | 0 |")
     return [*lines, ""]
 
 
@@ -90,7 +269,14 @@ def _demand(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-RENDERERS = {"dispatch": _dispatch, "demand": _demand, "throughput": _throughput}
+RENDERERS = {
+    "dispatch": _dispatch,
+    "demand": _demand,
+    "throughput": _throughput,
+    "peers": _peers,
+    "scale": _scale,
+    "soak": _soak,
+}
 
 
 def main() -> None:
@@ -106,6 +292,7 @@ def main() -> None:
             parts += render(json.loads(path.read_text()))
     if NOTES.exists():
         parts += [NOTES.read_text().rstrip(), ""]
+    DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text("\n".join(parts))
     print(f"wrote {DOC}")
 

@@ -7,7 +7,9 @@ none is left; jobs/s is jobs divided by the time from the first request to the l
   complete (three requests per job);
 * sql: the same three steps as the store's own statements on direct asyncpg connections, with no
   HTTP, daemon or token work in between: the floor of what the database allows with our schema;
-* pgbench: TPC-B (`pgbench -c 10 -j 2 -T 10`) on the same server, for the machine's scale.
+* pgbench: TPC-B (`pgbench -c 10 -j 2 -T 10`) on the same server, for the machine's scale;
+* peers: procrastinate and pgqueuer on the same server (bench/peers.py), each beside our HTTP
+  and SQL figures measured again at the same concurrency just before it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ import anyio
 import asyncpg
 import httpx
 
-from bench import harness
+from bench import harness, peers
 from controlplane.domain.jobs import Outcome, SessionClaims
 from controlplane.store import credentials, leases, queue, sessions
 
@@ -74,50 +77,71 @@ async def sql_lifecycle(url: str, runners: int, jobs: int) -> float:
     return jobs / elapsed
 
 
-async def http_lifecycle(url: str, addresses: list[str], runners: int, jobs: int) -> float:
-    workspace = uuid.uuid4()
-    conn = await asyncpg.connect(url)
-    _, registration = await credentials.create_manual_token(conn, workspace_id=workspace, name="b")
-    await conn.close()
-    await _fill(url, workspace, jobs)
+async def lifecycle_runner(
+    client: httpx.AsyncClient, registration: str, stop: anyio.Event, on_done: Callable[[], None]
+) -> None:
+    """One runner: register, then claim (long poll), heartbeat once and complete until `stop`."""
+    response = await client.post(
+        "/v1/runners/register",
+        json={"labels": ["linux"]},
+        headers={"Authorization": f"Bearer {registration}"},
+    )
+    auth = {"Authorization": f"Bearer {response.json()['session_token']}"}
+    while not stop.is_set():
+        try:
+            response = await client.post("/v1/runners/jobs/request?wait=1", headers=auth)
+        except httpx.TransportError:
+            continue
+        if response.status_code != 200:
+            continue
+        body = response.json()
+        lease = {"Authorization": f"Bearer {body['lease_token']}"}
+        path = f"/v1/runners/jobs/{body['job_execution_id']}"
+        beat = await client.post(f"{path}/heartbeat", headers=lease)
+        lease = {"Authorization": f"Bearer {beat.json()['lease_token']}"}
+        await client.post(f"{path}/complete", json={"outcome": "succeeded"}, headers=lease)
+        on_done()
+
+
+def runner_clients(addresses: list[str], runners: int) -> list[httpx.AsyncClient]:
     # One client (one connection) per runner, as real runners are: a single shared httpx pool
     # scans all its connections on every request and made the client the bottleneck.
-    clients = [
+    return [
         httpx.AsyncClient(base_url=addresses[index % len(addresses)], timeout=60)
         for index in range(runners)
     ]
+
+
+async def registration_token(url: str, workspace: uuid.UUID) -> str:
+    conn = await asyncpg.connect(url)
+    try:
+        _, registration = await credentials.create_manual_token(
+            conn, workspace_id=workspace, name="b"
+        )
+    finally:
+        await conn.close()
+    return registration
+
+
+async def http_lifecycle(url: str, addresses: list[str], runners: int, jobs: int) -> float:
+    """Jobs/s of `runners` HTTP runners spread over the replicas at `addresses`."""
+    workspace = uuid.uuid4()
+    registration = await registration_token(url, workspace)
+    await _fill(url, workspace, jobs)
+    clients = runner_clients(addresses, runners)
     done = 0
     finished = anyio.Event()
 
-    async def runner(client: httpx.AsyncClient) -> None:
+    def counted() -> None:
         nonlocal done
-        response = await client.post(
-            "/v1/runners/register",
-            json={"labels": ["linux"]},
-            headers={"Authorization": f"Bearer {registration}"},
-        )
-        auth = {"Authorization": f"Bearer {response.json()['session_token']}"}
-        while not finished.is_set():
-            try:
-                response = await client.post("/v1/runners/jobs/request?wait=1", headers=auth)
-            except httpx.TransportError:
-                continue
-            if response.status_code != 200:
-                continue
-            body = response.json()
-            lease = {"Authorization": f"Bearer {body['lease_token']}"}
-            path = f"/v1/runners/jobs/{body['job_execution_id']}"
-            beat = await client.post(f"{path}/heartbeat", headers=lease)
-            lease = {"Authorization": f"Bearer {beat.json()['lease_token']}"}
-            await client.post(f"{path}/complete", json={"outcome": "succeeded"}, headers=lease)
-            done += 1
-            if done >= jobs:
-                finished.set()
+        done += 1
+        if done >= jobs:
+            finished.set()
 
     start = time.perf_counter()
     async with anyio.create_task_group() as group:
-        for index in range(runners):
-            group.start_soon(runner, clients[index])
+        for client in clients:
+            group.start_soon(lifecycle_runner, client, registration, finished, counted)
         await finished.wait()
         elapsed = time.perf_counter() - start
         group.cancel_scope.cancel()
@@ -139,7 +163,11 @@ async def pgbench_tps(server_url: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
-async def run(jobs: int = JOBS, runner_counts: tuple[int, ...] = RUNNER_COUNTS) -> dict[str, Any]:
+async def run(
+    jobs: int = JOBS,
+    runner_counts: tuple[int, ...] = RUNNER_COUNTS,
+    peer_concurrency: tuple[int, ...] = peers.CONCURRENCY,
+) -> dict[str, Any]:
     results: dict[str, Any] = {"jobs_per_run": jobs, "runs": {}}
     with harness.postgres() as server:
         url = await harness.fresh_database(server)
@@ -159,9 +187,28 @@ async def run(jobs: int = JOBS, runner_counts: tuple[int, ...] = RUNNER_COUNTS) 
                     f"{count:>4} runners: sql {sql:.0f} jobs/s, http {http:.0f} jobs/s "
                     f"({http / sql:.2f} of sql)"
                 )
+            if peer_concurrency:
+                results["peers"] = await _peers(server, url, addresses, jobs, peer_concurrency)
     path = harness.write_result("throughput", results)
     print(f"wrote {path}")
     return results
+
+
+async def _peers(
+    server: str, url: str, addresses: list[str], jobs: int, concurrency: tuple[int, ...]
+) -> dict[str, Any]:
+    """procrastinate and pgqueuer on the same server, each beside our HTTP lifecycle and the SQL
+    floor measured again just before them, at the same concurrency."""
+    found: dict[str, Any] = {"versions": peers.versions(), "skipped": {}, "by_concurrency": {}}
+    for size in concurrency:
+        sql = await sql_lifecycle(url, size, jobs)
+        http = await http_lifecycle(url, addresses, size, jobs)
+        rates = await peers.measure(server, jobs, size)
+        found["skipped"].update(rates.pop("skipped"))
+        row = peers.compare(rates, http, sql)
+        found["by_concurrency"][str(size)] = row
+        print(peers.describe(size, row))
+    return found
 
 
 if __name__ == "__main__":
