@@ -59,6 +59,10 @@ class PoolClaims:
         async with borrow(self._pool) as conn:
             return await queue.claim(conn, session, liveness_throttle=self._throttle)
 
+    async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None:
+        async with borrow(self._pool) as conn:
+            await queue.touch_sessions(conn, workspace_id, runner_session_ids, self._throttle)
+
     async def put_back(self, job_execution_id: UUID, runner_session_id: UUID) -> bool:
         async with borrow(self._pool) as conn:
             done = await queue.put_back(conn, job_execution_id, runner_session_id)
@@ -195,6 +199,7 @@ class Daemon:
         dispatcher = Dispatcher(
             PoolClaims(pool, throttle),
             tick_seconds=settings.maintenance.dispatch_safety_tick_seconds,
+            touch_seconds=runners.liveness_throttle_seconds,
         )
         cancels = CancelBoard()
         keys = KeyRing(pool)

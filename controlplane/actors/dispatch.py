@@ -13,9 +13,16 @@ Wake-ups, each coalesced into the actor's pending *hint* (the label sets of new 
 
 A pass walks the waiters in arrival order and claims, one transaction per matched waiter. A waiter
 whose labels cannot match the hint is not tried; once a claim for label set L finds nothing, no
-waiter whose labels are a subset of L is tried again in that pass (it could only find less). So a
-burst of N jobs reaches N waiters with about N claims, and an idle workspace costs nothing but its
-tick (one claim per distinct label set).
+waiter whose labels are a subset of L is tried again (it could only find less) until a wake-up
+says that work a subset of L could take may have arrived: a NOTIFY carrying labels R forgets
+every empty L with R a subset of L, a wake without labels and the safety tick forget them all.
+So a burst of N jobs reaches N waiters with about N claims, a runner re-polling an idle
+workspace parks without touching the database, and an idle workspace costs only its tick (one
+claim per distinct label set).
+
+Liveness. Parked runners' sessions are stamped together, one statement per workspace per
+`touch_seconds` (`ClaimStore.touch`), not one per runner: with 10,000 runners parked, the database
+sees a handful of statements per tick, none per runner.
 
 Delivery and put-back. A claim is handed to its waiter only if the waiter is still waiting; the
 request handler marks a waiter abandoned when its deadline passes or its client disconnects, in
@@ -53,6 +60,8 @@ _ALL = None  # a hint of None means: anything may have changed
 
 class ClaimStore(Protocol):
     async def claim(self, session: SessionClaims) -> ClaimedJob | None: ...
+
+    async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None: ...
 
     async def put_back(self, job_execution_id: UUID, runner_session_id: UUID) -> bool: ...
 
@@ -145,13 +154,23 @@ async def put_back(store: ClaimStore, job: ClaimedJob, runner_session_id: UUID) 
 
 
 class WorkspaceActor:
-    def __init__(self, workspace_id: UUID, store: ClaimStore, tick_seconds: float) -> None:
+    def __init__(
+        self,
+        workspace_id: UUID,
+        store: ClaimStore,
+        tick_seconds: float,
+        touch_seconds: float = 10.0,
+    ) -> None:
         self.workspace_id = workspace_id
         self._store = store
         self._tick = tick_seconds
+        self._touch_every = touch_seconds
+        self._touched_at = -touch_seconds
         self._waiters: list[Waiter] = []
         self._new: list[Waiter] = []
         self._hint: set[LabelSet] | None = set()
+        self._empty: list[LabelSet] = []  # label sets a claim found nothing for, still true
+        self._wakes = 0  # wake-ups with labels so far: an empty claim they overlap is not cached
         self._wake = anyio.Event()
 
     @property
@@ -165,10 +184,16 @@ class WorkspaceActor:
     def wake(self, labels: LabelSet | None) -> None:
         if labels is None or self._hint is None:
             self._hint = _ALL
+            self._empty = []
         else:
+            self._wakes += 1
             self._hint.add(labels)
+            # Work needing `labels` can be taken by any waiter whose labels are a superset:
+            # an empty set that contains `labels` is not known to be empty any more.
+            self._empty = [e for e in self._empty if not set(labels) <= set(e)]
             if len(self._hint) > _MAX_HINTS:
                 self._hint = _ALL
+                self._empty = []
         self._wake.set()
 
     def drain(self, error: ControlPlaneError) -> None:
@@ -186,29 +211,56 @@ class WorkspaceActor:
                 if not self._waiters and not self._new:
                     return
                 self._hint = _ALL
+                self._empty = []
             self._wake = anyio.Event()
             await self._pass()
+            await self._touch()
+
+    async def _touch(self) -> None:
+        """Stamp the liveness of every parked runner's session, at most once per interval."""
+        now = anyio.current_time()
+        if not self._waiters or now - self._touched_at < self._touch_every:
+            return
+        self._touched_at = now
+        ids = [w.session.runner_session_id for w in self._waiters]
+        try:
+            await self._store.touch(self.workspace_id, ids)
+        except Exception as error:  # liveness is best effort; the next interval retries
+            log.warning("dispatch.touch_failed", extra={"error": repr(error)})
 
     async def _pass(self) -> None:
         self._waiters = [w for w in self._waiters if w.state is WaiterState.WAITING]
         newcomers, self._new = self._new, []
         hint, self._hint = self._hint, set()
-        exhausted: list[LabelSet] = []
+        # Known empty at the start of this pass, plus what this pass finds empty.
+        exhausted = list(self._empty)
         if hint is _ALL or hint:
             for waiter in list(self._waiters):
                 labels = waiter.session.labels
-                tried = _wanted(labels, hint) and not _covered(labels, exhausted)
-                if tried and not await self._try(waiter):
-                    exhausted.append(labels)
+                if _wanted(labels, hint) and not _covered(labels, exhausted):
+                    await self._try_and_remember(waiter, exhausted)
         for waiter in newcomers:
             # Newcomers queue behind everyone already parked; each is tried once on arrival
-            # unless an equal-or-wider label set already came up empty in this pass.
+            # unless an equal-or-wider label set is known to be empty.
             if waiter.state is not WaiterState.WAITING:
                 continue
             self._waiters.append(waiter)
-            if not _covered(waiter.session.labels, exhausted) and not await self._try(waiter):
-                exhausted.append(waiter.session.labels)
+            if not _covered(waiter.session.labels, exhausted):
+                await self._try_and_remember(waiter, exhausted)
         self._waiters = [w for w in self._waiters if w.state is WaiterState.WAITING]
+
+    async def _try_and_remember(self, waiter: Waiter, exhausted: list[LabelSet]) -> bool:
+        """`_try`; when it finds nothing, its labels are empty for the rest of this pass, and
+        for later passes too unless a wake-up came in while the claim ran (the claim's snapshot
+        may predate the work that wake-up announced)."""
+        wakes = self._wakes
+        if await self._try(waiter):
+            return True
+        labels = waiter.session.labels
+        exhausted.append(labels)
+        if self._wakes == wakes and self._hint is not _ALL:
+            self._empty.append(labels)
+        return False
 
     async def _try(self, waiter: Waiter) -> bool:
         """Claim for one waiter. True when a job was found (delivered or put back)."""
@@ -246,11 +298,13 @@ class Dispatcher:
         store: ClaimStore,
         *,
         tick_seconds: float,
+        touch_seconds: float = 10.0,
         max_waiters_per_workspace: int = 20_000,
         idle_seconds: float = 60.0,
     ) -> None:
         self._store = store
         self._tick = tick_seconds
+        self._touch = touch_seconds
         self._max_waiters = max_waiters_per_workspace
         self._idle = idle_seconds
         self._actors: dict[UUID, WorkspaceActor] = {}
@@ -279,7 +333,9 @@ class Dispatcher:
             return
         actor = self._actors.get(waiter.session.workspace_id)
         if actor is None:
-            actor = WorkspaceActor(waiter.session.workspace_id, self._store, self._tick)
+            actor = WorkspaceActor(
+                waiter.session.workspace_id, self._store, self._tick, self._touch
+            )
             self._actors[actor.workspace_id] = actor
             self._group.start_soon(self._supervise, actor)
         if actor.parked >= self._max_waiters:

@@ -172,6 +172,27 @@ async def touch_session(conn: Conn, session: SessionClaims, throttle: timedelta)
     )
 
 
+async def touch_sessions(
+    conn: Conn, workspace_id: UUID, runner_session_ids: Sequence[UUID], throttle: timedelta
+) -> None:
+    """Liveness of many parked runners in one statement: each session's `updated_at`, at most
+    once per throttle window (autocommit). Locks: the due session rows in id order, skipping any
+    a claim or a revocation holds (liveness is best effort; the next window stamps it), so it
+    never waits and never meets another multi-row locker in a different order."""
+    await conn.execute(
+        """
+        UPDATE runner_sessions SET updated_at = now()
+        WHERE id IN (SELECT id FROM runner_sessions
+                     WHERE id = ANY($1::uuid[]) AND workspace_id = $2
+                       AND updated_at < now() - $3::interval
+                     ORDER BY id FOR UPDATE SKIP LOCKED)
+        """,
+        list(runner_session_ids),
+        workspace_id,
+        throttle,
+    )
+
+
 async def claim(
     conn: Conn,
     session: SessionClaims,

@@ -35,6 +35,8 @@ class FakeStore:
         self.put_backs: list[UUID] = []
         self.put_back_failures = 0
         self.claim_started = anyio.Event()
+        self.touches: list[list[UUID]] = []
+        self.before_empty_answer: Any = None  # awaited by a claim that is about to find nothing
 
     def add(self, labels: LabelSet) -> ClaimedJob:
         job = ClaimedJob(
@@ -55,7 +57,14 @@ class FakeStore:
             if set(labels) <= set(session.labels):
                 del self.jobs[index]
                 return job
+        if self.before_empty_answer is not None:  # what happens after its snapshot was taken
+            late, self.before_empty_answer = self.before_empty_answer, None
+            await late()
         return None
+
+    async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None:
+        assert workspace_id == WORKSPACE
+        self.touches.append(list(runner_session_ids))
 
     async def put_back(self, job_execution_id: UUID, runner_session_id: UUID) -> bool:
         if self.put_back_failures:
@@ -178,5 +187,65 @@ async def test_close_answers_every_parked_waiter() -> None:
         late = waiter("linux")
         dispatcher.park(late)
         assert late.state is WaiterState.FAILED
+
+    await _run(store, body)
+
+
+async def test_a_runner_polling_again_in_an_idle_workspace_costs_no_claim() -> None:
+    """Once a label set came up empty, newcomers it covers park without a claim until a wake
+    for labels they could take; then they are tried and served."""
+    store = FakeStore()
+
+    async def body(dispatcher: Dispatcher) -> None:
+        first = waiter("linux", "x64")
+        dispatcher.park(first)
+        await anyio.sleep(1)
+        assert store.claims == [("linux", "x64")]
+        again = [waiter("linux", "x64"), waiter("linux")]
+        for each in again:
+            dispatcher.park(each)
+        await anyio.sleep(1)  # before the safety tick
+        assert store.claims == [("linux", "x64")]
+        jobs = [store.add(("linux",)) for _ in range(3)]
+        dispatcher.wake(WORKSPACE, ("linux",))
+        with anyio.fail_after(3):
+            for each in (first, *again):
+                await each.done.wait()
+        assert [each.job for each in (first, *again)] == jobs
+
+    await _run(store, body)
+
+
+async def test_a_wake_during_an_empty_claim_keeps_its_labels_from_being_cached() -> None:
+    """The claim's snapshot predates the job the wake announces: the next pass must try."""
+    store = FakeStore()
+
+    async def body(dispatcher: Dispatcher) -> None:
+        async def job_commits_meanwhile() -> None:
+            store.add(("linux",))
+            dispatcher.wake(WORKSPACE, ("linux",))
+
+        store.before_empty_answer = job_commits_meanwhile
+        parked = waiter("linux")
+        dispatcher.park(parked)
+        with anyio.fail_after(3):  # well before the 5 s safety tick
+            await parked.done.wait()
+        assert parked.job is not None
+        assert store.claims == [("linux",), ("linux",)]
+
+    await _run(store, body)
+
+
+async def test_parked_sessions_are_touched_together_once_per_interval() -> None:
+    store = FakeStore()
+    parked = [waiter("linux") for _ in range(4)]
+
+    async def body(dispatcher: Dispatcher) -> None:
+        for each in parked:
+            dispatcher.park(each)
+        await anyio.sleep(31)  # six safety ticks
+        ids = {each.session.runner_session_id for each in parked}
+        assert all(set(batch) == ids for batch in store.touches[1:])
+        assert 3 <= len(store.touches) <= 4  # every 10 s, not per tick or per runner
 
     await _run(store, body)
