@@ -152,15 +152,31 @@ def fleet_tables(
     return tables
 
 
+async def _active_provisioners(
+    http: httpx.AsyncClient, headers: dict[str, str]
+) -> ProvisionerTokenList:
+    """Every page of the active provisioners, as one list."""
+    found = ProvisionerTokenList(items=[], next_cursor=None)
+    params: dict[str, str] = {"active": "true", "limit": "100"}
+    while True:
+        page = _decode(
+            await _call(
+                http, "GET", "/v1/admin/provisioner-tokens", headers=headers, params=params
+            ),
+            ProvisionerTokenList,
+        )
+        found.items += page.items
+        if page.next_cursor is None:
+            return found
+        params["cursor"] = page.next_cursor
+
+
 async def status(url: str, key: str) -> int:
     headers = api.bearer(key)
     async with api.client(url) as http:
         content = await _call(http, "GET", "/v1/admin/queue", headers=headers)
         queue = _decode(content, QueueOut)
-        provisioners = _decode(
-            await _call(http, "GET", "/v1/admin/provisioner-tokens?active=true", headers=headers),
-            ProvisionerTokenList,
-        )
+        provisioners = await _active_provisioners(http, headers)
         reservations = _decode(
             await _call(http, "GET", "/v1/admin/reservations", headers=headers), ReservationList
         )

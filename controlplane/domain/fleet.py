@@ -11,7 +11,8 @@ Each derivation is a plain function of one instance's columns and `now` (spec 5.
 
 The cursor is opaque to clients: base64url of a JSON object with the last row's `created_at`
 (ISO 8601) and `id`. The list is ordered by (created_at, id) descending and the next page holds
-the rows strictly before the cursor in that order.
+the rows strictly before the cursor in that order. The admin token lists page with the same
+cursor (web/paging.py).
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def reconciliation_status(
     return "current"
 
 
-def encode_cursor(created_at: datetime, instance_id: UUID) -> str:
-    raw = json.dumps({"created_at": created_at.isoformat(), "id": str(instance_id)})
+def encode_cursor(created_at: datetime, row_id: UUID) -> str:
+    raw = json.dumps({"created_at": created_at.isoformat(), "id": str(row_id)})
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
@@ -91,7 +92,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, UUID]:
         padded = cursor + "=" * (-len(cursor) % 4)
         decoded = json.loads(base64.urlsafe_b64decode(padded.encode()).decode())
         created_at = datetime.fromisoformat(decoded["created_at"])
-        instance_id = UUID(decoded["id"])
+        row_id = UUID(decoded["id"])
     except (ValueError, TypeError, KeyError, binascii.Error, UnicodeError) as error:
         raise InvalidInput(
             "cursor is not one this server gave", code="invalid-cursor", field="cursor"
@@ -100,4 +101,4 @@ def decode_cursor(cursor: str) -> tuple[datetime, UUID]:
         raise InvalidInput(
             "cursor is not one this server gave", code="invalid-cursor", field="cursor"
         )
-    return created_at, instance_id
+    return created_at, row_id

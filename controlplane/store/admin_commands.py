@@ -1,8 +1,14 @@
-"""Idempotent admin creates: what a (actor, Idempotency-Key) pair already did.
+"""Idempotent admin commands: what an (actor, Idempotency-Key) pair already did.
 
-Locks: the advisory lock `cp_admin_command:<actor>:<key>` (transaction, blocking), taken before
-the lookup and held through the create and the record, so two concurrent requests with the same
-key run one after the other and the second replays the first. Nothing else takes this key.
+A create remembers the SHA-256 of the token it derived (a replay re-derives the token and checks
+it against this); a revoke remembers the JSON it answered (a replay answers it again). Exactly one
+of the two is set.
+
+Locks: the advisory lock `cp_admin_command:<actor>:<key>` (transaction, blocking), taken first,
+before the lookup, and held through the command and the record, so two concurrent requests with
+the same key run one after the other and the second replays the first. Nothing else takes this
+key, and nothing that holds one of the locks a command takes next (a provisioner revoke's, see
+store/provisioners.py) waits for it, so taking it first cannot deadlock.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ class Remembered:
     command: str
     request_sha256: str
     target_id: UUID
-    token_sha256: str
+    token_sha256: str | None = None  # a create's
+    answer: str | None = None  # a revoke's: the JSON body it answered
 
 
 async def lock_and_find(conn: Conn, actor_id: UUID, key_sha256: str) -> Remembered | None:
@@ -29,7 +36,7 @@ async def lock_and_find(conn: Conn, actor_id: UUID, key_sha256: str) -> Remember
     )
     row = await conn.fetchrow(
         """
-        SELECT command, request_sha256, target_id, token_sha256 FROM admin_commands
+        SELECT command, request_sha256, target_id, token_sha256, answer FROM admin_commands
         WHERE actor_id = $1 AND key_sha256 = $2
         """,
         actor_id,
@@ -37,7 +44,9 @@ async def lock_and_find(conn: Conn, actor_id: UUID, key_sha256: str) -> Remember
     )
     if row is None:
         return None
-    return Remembered(row["command"], row["request_sha256"], row["target_id"], row["token_sha256"])
+    return Remembered(
+        row["command"], row["request_sha256"], row["target_id"], row["token_sha256"], row["answer"]
+    )
 
 
 async def remember(
@@ -49,8 +58,8 @@ async def remember(
     await conn.execute(
         """
         INSERT INTO admin_commands
-            (actor_id, key_sha256, command, request_sha256, target_id, token_sha256)
-        VALUES ($1, $2, $3, $4, $5, $6)
+            (actor_id, key_sha256, command, request_sha256, target_id, token_sha256, answer)
+        VALUES ($1, $2, $3, $4, $5, $6, $7)
         """,
         actor_id,
         key_sha256,
@@ -58,4 +67,5 @@ async def remember(
         done.request_sha256,
         done.target_id,
         done.token_sha256,
+        done.answer,
     )

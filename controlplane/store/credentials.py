@@ -15,6 +15,7 @@ import asyncpg
 
 from controlplane.domain import tokens
 from controlplane.errors import NotFound
+from controlplane.store import pages
 from controlplane.store.pool import Conn
 
 
@@ -30,6 +31,7 @@ class Credential:
     created_at: datetime
     expires_at: datetime | None
     revoked_at: datetime | None
+    revocation_reason: str | None  # what the admin who revoked it gave, if anything
 
 
 def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
@@ -42,11 +44,19 @@ def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
         created_at=row["created_at"],
         expires_at=row["expires_at"],
         revoked_at=row["revoked_at"],
+        revocation_reason=row["revocation_reason"],
     )
 
 
 _API_KINDS = {"orchestrator": tokens.Kind.ORCHESTRATOR_KEY, "admin": tokens.Kind.ADMIN_KEY}
-_COLUMNS = "id, name, workspace_id, display_prefix, created_at, expires_at, revoked_at"
+_COLUMNS = (
+    "id, name, workspace_id, display_prefix, created_at, expires_at, revoked_at, revocation_reason"
+)
+
+
+# The first revocation sets the time and the reason ($2); later ones change neither.
+_REVOKE = """revoked_at = COALESCE(revoked_at, now()),
+    revocation_reason = CASE WHEN revoked_at IS NULL THEN $2::text ELSE revocation_reason END"""
 
 
 # Signing keys ---------------------------------------------------------------------------------
@@ -128,25 +138,30 @@ async def api_key_by_id(conn: Conn, key_id: UUID) -> Credential | None:
     return None if row is None else _credential(row)
 
 
-async def list_api_keys(conn: Conn, kind: str | None = None) -> list[Credential]:
+async def list_api_keys(
+    conn: Conn, kind: str | None = None, *, before: pages.Before = None, limit: int | None = None
+) -> list[Credential]:
     rows = await conn.fetch(
         f"""
-        SELECT kind, {_COLUMNS} FROM api_keys WHERE ($1::text IS NULL OR kind = $1)
-        ORDER BY created_at DESC, id DESC
+        SELECT kind, {_COLUMNS} FROM api_keys
+        WHERE ($4::text IS NULL OR kind = $4) AND {pages.BEFORE}
+        ORDER BY {pages.NEWEST_FIRST}
         """,
+        *pages.args(before, limit),
         kind,
     )
     return [_credential(row) for row in rows]
 
 
-async def revoke_api_key(conn: Conn, key_id: UUID) -> Credential:
-    """Idempotent: revoking twice keeps the first revocation time."""
+async def revoke_api_key(conn: Conn, key_id: UUID, *, reason: str | None = None) -> Credential:
+    """Idempotent: revoking twice keeps the first revocation time and reason."""
     row = await conn.fetchrow(
         f"""
-        UPDATE api_keys SET revoked_at = COALESCE(revoked_at, now()) WHERE id = $1
+        UPDATE api_keys SET {_REVOKE} WHERE id = $1
         RETURNING kind, {_COLUMNS}
         """,
         key_id,
+        reason,
     )
     if row is None:
         raise NotFound("no such API key", id=str(key_id))
@@ -199,29 +214,38 @@ async def manual_token_by_id(conn: Conn, token_id: UUID) -> Credential | None:
     return None if row is None else _credential(row, "manual-registration")
 
 
-async def list_manual_tokens(conn: Conn, workspace_id: UUID | None = None) -> list[Credential]:
+async def list_manual_tokens(
+    conn: Conn,
+    workspace_id: UUID | None = None,
+    *,
+    before: pages.Before = None,
+    limit: int | None = None,
+) -> list[Credential]:
     rows = await conn.fetch(
         f"""
         SELECT {_COLUMNS} FROM manual_registration_tokens
-        WHERE ($1::uuid IS NULL OR workspace_id = $1)
-        ORDER BY created_at DESC, id DESC
+        WHERE ($4::uuid IS NULL OR workspace_id = $4) AND {pages.BEFORE}
+        ORDER BY {pages.NEWEST_FIRST}
         """,
+        *pages.args(before, limit),
         workspace_id,
     )
     return [_credential(row, "manual-registration") for row in rows]
 
 
 async def revoke_manual_token(
-    conn: Conn, token_id: UUID, workspace_id: UUID | None = None
+    conn: Conn, token_id: UUID, workspace_id: UUID | None = None, *, reason: str | None = None
 ) -> Credential:
-    """Idempotent. With `workspace_id`, a token of another workspace is not found."""
+    """Idempotent, keeping the first time and reason. With `workspace_id`, a token of another
+    workspace is not found."""
     row = await conn.fetchrow(
         f"""
-        UPDATE manual_registration_tokens SET revoked_at = COALESCE(revoked_at, now())
-        WHERE id = $1 AND ($2::uuid IS NULL OR workspace_id = $2)
+        UPDATE manual_registration_tokens SET {_REVOKE}
+        WHERE id = $1 AND ($3::uuid IS NULL OR workspace_id = $3)
         RETURNING {_COLUMNS}
         """,
         token_id,
+        reason,
         workspace_id,
     )
     if row is None:

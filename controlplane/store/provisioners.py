@@ -19,6 +19,8 @@ its sessionless instances' reservations, then those instance rows in id order
 rows, the instance rows, the reservation rows of the release, and last the unused runner
 sessions in id order. Nothing that holds one of those rows waits for an advisory lock or for the
 token row (auth's last-seen touch is a single statement).
+An admin revoke with an Idempotency-Key takes its `admin_command` lock before all of these
+(store/admin_commands.py): only admin commands take it, always first.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import asyncpg
 
 from controlplane.domain import tokens
 from controlplane.errors import NotFound
+from controlplane.store import pages
 from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
 from controlplane.store.reservations import lock_workspace
@@ -38,7 +41,7 @@ from controlplane.store.runner_reports import lock_linked_runners, release_termi
 
 _COLUMNS = (
     "id, scope, workspace_id, name, display_prefix, created_at, expires_at, revoked_at, "
-    "last_seen_at"
+    "revocation_reason, last_seen_at"
 )
 
 
@@ -52,6 +55,7 @@ class Provisioner:
     created_at: datetime
     expires_at: datetime | None
     revoked_at: datetime | None
+    revocation_reason: str | None  # what the admin who revoked it gave, if anything
     last_seen_at: datetime | None
 
 
@@ -116,27 +120,34 @@ async def touch(conn: Conn, provisioner_id: UUID, throttle: timedelta) -> None:
 
 
 async def list_all(
-    conn: Conn, workspace_id: UUID | None = None, *, seen_within: timedelta | None = None
+    conn: Conn,
+    workspace_id: UUID | None = None,
+    *,
+    seen_within: timedelta | None = None,
+    before: pages.Before = None,
+    limit: int | None = None,
 ) -> list[Provisioner]:
-    """Newest first. With `seen_within`, only live ones: seen that recently, not revoked, not
-    expired (the admin "active provisioners" view)."""
+    """Newest first, a page at a time (store/pages.py). With `seen_within`, only live ones: seen
+    that recently, not revoked, not expired (the admin "active provisioners" view)."""
     rows = await conn.fetch(
         f"""
         SELECT {_COLUMNS} FROM provisioner_tokens
-        WHERE ($1::uuid IS NULL OR workspace_id = $1)
-          AND ($2::interval IS NULL OR (last_seen_at > now() - $2::interval
+        WHERE ($4::uuid IS NULL OR workspace_id = $4)
+          AND ($5::interval IS NULL OR (last_seen_at > now() - $5::interval
                                         AND revoked_at IS NULL
                                         AND (expires_at IS NULL OR expires_at > now())))
-        ORDER BY created_at DESC, id DESC
+          AND {pages.BEFORE}
+        ORDER BY {pages.NEWEST_FIRST}
         """,
+        *pages.args(before, limit),
         workspace_id,
         seen_within,
     )
     return [_provisioner(row) for row in rows]
 
 
-async def revoke(conn: Conn, provisioner_id: UUID) -> Provisioner:
-    """Idempotent: a second revoke keeps the first time and cascades nothing again."""
+async def revoke(conn: Conn, provisioner_id: UUID, *, reason: str | None = None) -> Provisioner:
+    """Idempotent: a second revoke keeps the first time and reason, and cascades nothing again."""
     async with conn.transaction():
         found = await by_id(conn, provisioner_id)
         if found is None:
@@ -181,11 +192,14 @@ async def revoke(conn: Conn, provisioner_id: UUID) -> Provisioner:
         row = await conn.fetchrow(
             f"""
             UPDATE provisioner_tokens
-            SET revoked_at = COALESCE(revoked_at, now()), updated_at = now()
+            SET revoked_at = COALESCE(revoked_at, now()), updated_at = now(),
+                revocation_reason = CASE WHEN revoked_at IS NULL THEN $2::text
+                                         ELSE revocation_reason END
             WHERE id = $1
             RETURNING {_COLUMNS}
             """,
             provisioner_id,
+            reason,
         )
         assert row is not None
         if first:

@@ -4,7 +4,9 @@ fleet views list every provisioner's instances, of either scope."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
+from uuid import UUID
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -19,8 +21,16 @@ from controlplane.store import credentials, executions, fleet, queries
 from controlplane.store.credentials import Credential
 from controlplane.store.pool import Conn
 from controlplane.web import auth
-from controlplane.web.edge import json_response, path_uuid, query_integer, query_uuid, read_json
-from controlplane.web.idempotency import create_once
+from controlplane.web.edge import (
+    json_response,
+    path_uuid,
+    query_integer,
+    query_only,
+    query_uuid,
+    read_json,
+)
+from controlplane.web.idempotency import create_once, revoke_once
+from controlplane.web.paging import PAGE_QUERY, Page, cut, page_of
 from controlplane.wire import admin as wire
 
 
@@ -34,6 +44,7 @@ def _out(credential: Credential) -> wire.CredentialOut:
         created_at=credential.created_at,
         expires_at=credential.expires_at,
         revoked_at=credential.revoked_at,
+        revocation_reason=credential.revocation_reason,
     )
 
 
@@ -66,19 +77,49 @@ async def create_api_key(request: Request) -> Response:
     return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
 
 
+def _position(credential: Credential) -> tuple[datetime, UUID]:
+    return credential.created_at, credential.id
+
+
+def _credentials(found: list[Credential], page: Page) -> Response:
+    shown, next_cursor = cut(found, page, _position)
+    return json_response(
+        wire.CredentialList(items=[_out(item) for item in shown], next_cursor=next_cursor)
+    )
+
+
 async def list_api_keys(request: Request) -> Response:
     svc = await auth.admin(request)
+    query_only(request, *PAGE_QUERY)
+    page = page_of(request)
     async with svc.pool.acquire() as conn:
-        found = await credentials.list_api_keys(conn)
-    return json_response(wire.CredentialList(items=[_out(item) for item in found]))
+        found = await credentials.list_api_keys(conn, before=page.before, limit=page.fetch)
+    return _credentials(found, page)
+
+
+async def _revoke(
+    request: Request,
+    command: str,
+    revoke: Callable[[Conn, UUID, str | None], Awaitable[Credential]],
+) -> Response:
+    actor = await auth.api_key(request, "admin")
+    svc = auth.services(request)
+    target_id = path_uuid(request, "id")
+    body = await read_json(request, wire.Revoke, svc.settings.server.max_body_bytes, optional=True)
+
+    async def once(conn: Conn) -> wire.CredentialOut:
+        return _out(await revoke(conn, target_id, body.reason))
+
+    answer = await revoke_once(request, svc, actor, command, target_id, body, once)
+    return Response(answer, 200, media_type="application/json")
 
 
 async def revoke_api_key(request: Request) -> Response:
-    svc = await auth.admin(request)
-    key_id = path_uuid(request, "id")
-    async with svc.pool.acquire() as conn:
-        revoked = await credentials.revoke_api_key(conn, key_id)
-    return json_response(_out(revoked))
+    return await _revoke(
+        request,
+        "api_key.revoke",
+        lambda conn, key_id, reason: credentials.revoke_api_key(conn, key_id, reason=reason),
+    )
 
 
 async def create_registration_token(request: Request) -> Response:
@@ -107,18 +148,24 @@ async def create_registration_token(request: Request) -> Response:
 
 async def list_registration_tokens(request: Request) -> Response:
     svc = await auth.admin(request)
+    query_only(request, "workspace_id", *PAGE_QUERY)
     workspace = query_uuid(request, "workspace_id")
+    page = page_of(request)
     async with svc.pool.acquire() as conn:
-        found = await credentials.list_manual_tokens(conn, workspace)
-    return json_response(wire.CredentialList(items=[_out(item) for item in found]))
+        found = await credentials.list_manual_tokens(
+            conn, workspace, before=page.before, limit=page.fetch
+        )
+    return _credentials(found, page)
 
 
 async def revoke_registration_token(request: Request) -> Response:
-    svc = await auth.admin(request)
-    token_id = path_uuid(request, "id")
-    async with svc.pool.acquire() as conn:
-        revoked = await credentials.revoke_manual_token(conn, token_id)
-    return json_response(_out(revoked))
+    return await _revoke(
+        request,
+        "registration_token.revoke",
+        lambda conn, token_id, reason: credentials.revoke_manual_token(
+            conn, token_id, reason=reason
+        ),
+    )
 
 
 async def queue_overview(request: Request) -> Response:
@@ -167,12 +214,6 @@ async def active_runners(request: Request) -> Response:
     )
 
 
-def _only(request: Request, *allowed: str) -> None:
-    """Strict query: an unknown parameter is 400."""
-    if unknown := sorted(set(request.query_params) - set(allowed)):
-        raise InvalidInput(f"unknown query parameter {unknown[0]}", field=unknown[0])
-
-
 def _choice(request: Request, name: str, allowed: tuple[str, ...]) -> str | None:
     raw = request.query_params.get(name)
     if raw is not None and raw not in allowed:
@@ -211,14 +252,13 @@ def _instance(
 
 
 _STATES = tuple(state.value for state in RunnerState)
-_INSTANCE_QUERY = ("state", "assignment", "label", "provisioner_id", "workspace_id", "limit",
-                   "cursor")  # fmt: skip
+_INSTANCE_QUERY = ("state", "assignment", "label", "provisioner_id", "workspace_id", *PAGE_QUERY)
 
 
 async def runner_instances(request: Request) -> Response:
     """Every provisioner's runner instances, newest first, one page at a time."""
     svc = await auth.admin(request)
-    _only(request, *_INSTANCE_QUERY)
+    query_only(request, *_INSTANCE_QUERY)
     state = _choice(request, "state", _STATES)
     assignment = _choice(request, "assignment", ("assigned", "unassigned"))
     label = request.query_params.get("label")
@@ -226,9 +266,7 @@ async def runner_instances(request: Request) -> Response:
         if (problem := label_error(label)) is not None:
             raise InvalidInput(f"query label: {problem}", field="label")
         label = label.lower()
-    limit = query_integer(request, "limit", low=1, high=100, default=50)
-    cursor = request.query_params.get("cursor")
-    before = None if cursor is None else views.decode_cursor(cursor)
+    page = page_of(request)
     where = fleet.InstanceFilter(
         state=None if state is None else RunnerState(state),
         assigned=None if assignment is None else assignment == "assigned",
@@ -237,14 +275,12 @@ async def runner_instances(request: Request) -> Response:
         workspace_id=query_uuid(request, "workspace_id"),
     )
     async with svc.pool.acquire() as conn:
-        rows, now = await fleet.list_instances(conn, where, before=before, limit=limit + 1)
-    page = rows[:limit]
-    more = len(rows) > limit
+        rows, now = await fleet.list_instances(conn, where, before=page.before, limit=page.fetch)
+    shown, next_cursor = cut(rows, page, lambda row: (row.created_at, row.id))
     threshold = timedelta(seconds=svc.settings.provisioners.stale_runner_threshold_seconds)
     return json_response(
         wire.RunnerInstanceList(
-            items=[_instance(row, now, threshold) for row in page],
-            next_cursor=views.encode_cursor(page[-1].created_at, page[-1].id) if more else None,
+            items=[_instance(row, now, threshold) for row in shown], next_cursor=next_cursor
         )
     )
 
@@ -252,7 +288,7 @@ async def runner_instances(request: Request) -> Response:
 async def active_runner_instances(request: Request) -> Response:
     """A workspace's active-state instances the server updated recently (spec P-87)."""
     svc = await auth.admin(request)
-    _only(request, "workspace_id")
+    query_only(request, "workspace_id")
     workspace = query_uuid(request, "workspace_id")
     if workspace is None:
         raise InvalidInput("query workspace_id is required", field="workspace_id")
@@ -268,7 +304,7 @@ async def active_runner_instances(request: Request) -> Response:
 
 async def runner_instance_counts(request: Request) -> Response:
     svc = await auth.admin(request)
-    _only(request)
+    query_only(request)
     async with svc.pool.acquire() as conn:
         counts = await fleet.counts_by_state(conn)
     return json_response(
@@ -281,7 +317,7 @@ async def runner_instance_counts(request: Request) -> Response:
 async def reservations(request: Request) -> Response:
     """Unexpired reservations per workspace, label set and kind."""
     svc = await auth.admin(request)
-    _only(request, "workspace_id")
+    query_only(request, "workspace_id")
     workspace = query_uuid(request, "workspace_id")
     async with svc.pool.acquire() as conn:
         found = await fleet.live_reservations(conn, workspace)

@@ -63,6 +63,12 @@ def path_uuid(request: Request, name: str) -> UUID:
         raise InvalidInput(f"{name} must be a UUID", field=name) from error
 
 
+def query_only(request: Request, *allowed: str) -> None:
+    """Strict query: an unknown parameter is 400."""
+    if unknown := sorted(set(request.query_params) - set(allowed)):
+        raise InvalidInput(f"unknown query parameter {unknown[0]}", field=unknown[0])
+
+
 def query_uuid(request: Request, name: str) -> UUID | None:
     raw = request.query_params.get(name)
     if raw is None:

@@ -1,16 +1,24 @@
-"""Idempotency-Key on admin creates: a replay answers what the first request created.
+"""Idempotency-Key on admin creates and revokes: a replay answers what the first request did.
 
-Without the header a create is a plain create. With it (1-256 characters, not blank), the
-request's fingerprint is the SHA-256 of the command and its body; the new token's random part is
-derived from the admin key, the Idempotency-Key and that fingerprint with the current signing
-key, so a replay re-derives the same token without it ever being stored. Same key with another
-body or command: 409 idempotency-key-reused. A replay after the signing key rotated (the derived
-token no longer matches what was created): 409 idempotency-replay-unavailable.
+The header is optional: without it a create is a plain create and a revoke a plain revoke (which
+is idempotent anyway). With it (1-256 characters, not blank; else 400 idempotency-key-invalid),
+the request's fingerprint is the SHA-256 of the command, its target and its body, remembered per
+(admin key, Idempotency-Key) under that pair's advisory lock (store/admin_commands.py). The same
+key with another command, target or body: 409 idempotency-key-reused.
+
+* Create: the new token's random part is derived from the admin key, the Idempotency-Key and the
+  fingerprint with the current signing key, so a replay re-derives the same token without it
+  ever being stored. A replay after the signing key rotated (the derived token no longer matches
+  what was created): 409 idempotency-replay-unavailable.
+* Revoke: the answer's JSON is remembered and a replay answers it again, byte for byte (the
+  original `revoked_at` and reason), without revoking a second time. An unknown target is 404
+  and nothing is remembered, so a retry with the same key is 404 again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 from uuid import UUID
@@ -25,14 +33,29 @@ from controlplane.store.admin_commands import Remembered
 from controlplane.store.credentials import Credential
 from controlplane.store.pool import Conn
 from controlplane.web.services import Services
+from controlplane.wire.admin import Revoke
 
 T = TypeVar("T")
 
 MAX_KEY_LENGTH = 256
 
+log = logging.getLogger("controlplane.admin")
+_encoder = msgspec.json.Encoder()
+
 
 def _sha256(text: str | bytes) -> str:
     return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
+
+
+def idempotency_key(request: Request) -> str | None:
+    """The header's value (its first, if repeated); None without one."""
+    key = request.headers.get("idempotency-key")
+    if key is not None and (not 1 <= len(key) <= MAX_KEY_LENGTH or not key.strip()):
+        raise InvalidInput(
+            f"Idempotency-Key is 1 to {MAX_KEY_LENGTH} characters and not blank",
+            code="idempotency-key-invalid",
+        )
+    return key
 
 
 async def create_once(
@@ -46,15 +69,10 @@ async def create_once(
     load: Callable[[Conn, UUID], Awaitable[T | None]],
     target_id: Callable[[T], UUID],
 ) -> tuple[T, str]:
-    key = request.headers.get("idempotency-key")
+    key = idempotency_key(request)
     async with svc.pool.acquire() as conn:
         if key is None:
             return await create(conn, None)
-        if not 1 <= len(key) <= MAX_KEY_LENGTH or not key.strip():
-            raise InvalidInput(
-                f"Idempotency-Key is 1 to {MAX_KEY_LENGTH} characters and not blank",
-                code="idempotency-key-invalid",
-            )
         key_sha256 = _sha256(key)
         request_sha256 = _sha256(command.encode() + b":" + msgspec.json.encode(body))
         token = tokens.derived_opaque(
@@ -79,3 +97,50 @@ async def create_once(
                     code="idempotency-replay-unavailable",
                 )
             return existing, token.raw
+
+
+async def revoke_once(
+    request: Request,
+    svc: Services,
+    actor: Credential,
+    command: str,
+    target_id: UUID,
+    body: Revoke,
+    revoke: Callable[[Conn], Awaitable[msgspec.Struct]],
+) -> bytes:
+    """The JSON answer of a revoke: `revoke`'s, or with a known Idempotency-Key the one
+    remembered. Logged either way, with the reason as text (never a token: logs mask any)."""
+    key = idempotency_key(request)
+    async with svc.pool.acquire() as conn:
+        if key is None:
+            answer, replayed = _encoder.encode(await revoke(conn)), False
+        else:
+            key_sha256 = _sha256(key)
+            request_sha256 = _sha256(f"{command}:{target_id}:".encode() + msgspec.json.encode(body))
+            # Locks: the key's admin_command lock first, then whatever `revoke` takes (a
+            # provisioner revoke's, store/provisioners.py); see store/admin_commands.py.
+            async with conn.transaction():
+                found = await admin_commands.lock_and_find(conn, actor.id, key_sha256)
+                if found is None:
+                    answer, replayed = _encoder.encode(await revoke(conn)), False
+                    done = Remembered(command, request_sha256, target_id, answer=answer.decode())
+                    await admin_commands.remember(conn, actor.id, key_sha256, done)
+                elif (found.command, found.request_sha256) != (command, request_sha256) or (
+                    found.answer is None
+                ):
+                    raise Conflict(
+                        "this Idempotency-Key was used for another request",
+                        code="idempotency-key-reused",
+                    )
+                else:
+                    answer, replayed = found.answer.encode(), True
+    extra: dict[str, object] = {
+        "command": command,
+        "target_id": str(target_id),
+        "actor_id": str(actor.id),
+        "replayed": replayed,
+    }
+    if body.reason is not None:
+        extra["reason"] = body.reason
+    log.info("admin.revoked", extra=extra)
+    return answer

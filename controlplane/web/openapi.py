@@ -169,6 +169,13 @@ QUERY: dict[str, dict[str, Any]] = {
     "cursor": _query(
         "cursor", {"type": "string"}, "Opaque; the `next_cursor` of the previous page."
     ),
+    "idempotency-key": {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "minLength": 1, "maxLength": 256},
+        "description": "Optional; 1-256 characters, not blank. A replay answers the first answer.",
+    },
     "workspace_id:required": {
         **_query("workspace_id", _UUID, "The workspace."),
         "required": True,
@@ -214,6 +221,9 @@ _NO_JOB = {
 }
 _LEASE = "lease-job-mismatch running-job-execution-not-found"
 _IDEMPOTENT = "idempotency-key-invalid idempotency-key-reused idempotency-replay-unavailable"
+_IDEMPOTENT_REVOKE = "not-found idempotency-key-invalid idempotency-key-reused"
+_KEY = ("idempotency-key",)
+_PAGE = ("limit:page", "cursor")
 
 # fmt: off
 OPERATIONS: dict[str, Op] = {
@@ -248,19 +258,22 @@ OPERATIONS: dict[str, Op] = {
         "invalid-cursor forbidden", ("after", "limit", "wait:events", "workspace_id")),
     "POST /v1/admin/api-keys": Op(
         "Create an API key", ADM, admin.CreateApiKey, admin.CreatedCredential, _IDEMPOTENT,
-        ok=201),
-    "GET /v1/admin/api-keys": Op("List API keys", ADM, None, admin.CredentialList),
+        _KEY, ok=201),
+    "GET /v1/admin/api-keys": Op(
+        "List API keys, newest first, a page at a time", ADM, None, admin.CredentialList,
+        "invalid-cursor", _PAGE),
     "POST /v1/admin/api-keys/{id}/revoke": Op(
-        "Revoke an API key (idempotent)", ADM, None, admin.CredentialOut, "not-found"),
+        "Revoke an API key (idempotent)", ADM, admin.Revoke, admin.CredentialOut,
+        _IDEMPOTENT_REVOKE, _KEY, optional_body=True),
     "POST /v1/admin/registration-tokens": Op(
         "Create a manual registration token", ADM, admin.CreateRegistrationToken,
-        admin.CreatedCredential, _IDEMPOTENT, ok=201),
+        admin.CreatedCredential, _IDEMPOTENT, _KEY, ok=201),
     "GET /v1/admin/registration-tokens": Op(
-        "List manual registration tokens", ADM, None, admin.CredentialList,
-        query=("workspace_id:tokens",)),
+        "List manual registration tokens, newest first, a page at a time", ADM, None,
+        admin.CredentialList, "invalid-cursor", ("workspace_id:tokens", *_PAGE)),
     "POST /v1/admin/registration-tokens/{id}/revoke": Op(
-        "Revoke a manual registration token (idempotent)", ADM, None, admin.CredentialOut,
-        "not-found"),
+        "Revoke a manual registration token (idempotent)", ADM, admin.Revoke,
+        admin.CredentialOut, _IDEMPOTENT_REVOKE, _KEY, optional_body=True),
     "GET /v1/admin/queue": Op("Queue depth, per workspace", ADM, None, admin.QueueOut),
     "GET /v1/admin/runners": Op(
         "Runners seen recently, with their leases", ADM, None, admin.ActiveRunners,
@@ -268,8 +281,7 @@ OPERATIONS: dict[str, Op] = {
     "GET /v1/admin/runner-instances": Op(
         "List runner instances of every provisioner, newest first, a page at a time", ADM, None,
         admin.RunnerInstanceList, "invalid-cursor",
-        query=("state", "assignment", "label", "provisioner_id", "workspace_id:tokens",
-               "limit:page", "cursor")),
+        query=("state", "assignment", "label", "provisioner_id", "workspace_id:tokens", *_PAGE)),
     "GET /v1/admin/runner-instances/active": Op(
         "A workspace's active runner instances, updated recently", ADM, None,
         admin.ActiveRunnerInstances, query=("workspace_id:required",)),
@@ -284,13 +296,15 @@ OPERATIONS: dict[str, Op] = {
     "POST /v1/admin/provisioner-tokens": Op(
         "Create a provisioner token (workspace_id omitted: installation scope)", ADM,
         provisioners.CreateProvisionerToken, provisioners.CreatedProvisionerToken, _IDEMPOTENT,
-        ok=201),
+        _KEY, ok=201),
     "GET /v1/admin/provisioner-tokens": Op(
-        "List provisioner tokens", ADM, None, provisioners.ProvisionerTokenList,
-        query=("workspace_id:tokens", "active")),
+        "List provisioner tokens, newest first, a page at a time", ADM, None,
+        provisioners.ProvisionerTokenList, "invalid-cursor",
+        ("workspace_id:tokens", "active", *_PAGE)),
     "POST /v1/admin/provisioner-tokens/{id}/revoke": Op(
-        "Revoke a provisioner token (idempotent); its unused sessions are revoked too", ADM,
-        None, provisioners.ProvisionerTokenOut, "not-found"),
+        "Revoke a provisioner token of either scope (idempotent); the first revocation "
+        "cascades", ADM, admin.Revoke, provisioners.ProvisionerTokenOut, _IDEMPOTENT_REVOKE,
+        _KEY, optional_body=True),
     "POST /v1/runner-enrollment/exchange": Op(
         "Trade a bootstrap token for a control session", None, runner_control.ExchangeRequest,
         runner_control.ExchangeResponse, "runner-bootstrap-token-invalid server-error",
@@ -313,6 +327,18 @@ OPERATIONS: dict[str, Op] = {
 _IDEMPOTENT_NOTE = (
     "With an `Idempotency-Key` header (1-256 characters), a replay of the same request answers "
     "the same credential and token; the same key with another body is 409."
+)
+_REVOKE_NOTE = (
+    "The body is optional: `{}`, `null` or none at all revoke without a reason. The first "
+    "revocation sets `revoked_at` and `revocation_reason`; a later one (with another "
+    "Idempotency-Key, or none) changes nothing and answers them as they are. With an "
+    "`Idempotency-Key`, a replay of the same request answers the first answer byte for byte "
+    "without revoking again; the same key for another token, another reason or another command "
+    "is 409 idempotency-key-reused. An unknown id is 404 and nothing is remembered."
+)
+_PAGE_NOTE = (
+    "Unknown query parameters are 400. Ordered by (created_at, id) descending; `next_cursor` is "
+    "null on the last page, and passed as `cursor` gives the next one."
 )
 
 # Longer notes, as each operation's description.
@@ -367,6 +393,16 @@ NOTES = {
     "POST /v1/admin/api-keys": _IDEMPOTENT_NOTE,
     "POST /v1/admin/registration-tokens": _IDEMPOTENT_NOTE,
     "POST /v1/admin/provisioner-tokens": _IDEMPOTENT_NOTE,
+    "POST /v1/admin/api-keys/{id}/revoke": _REVOKE_NOTE,
+    "POST /v1/admin/registration-tokens/{id}/revoke": _REVOKE_NOTE,
+    "POST /v1/admin/provisioner-tokens/{id}/revoke": _REVOKE_NOTE
+    + " Any provisioner token of either scope: admin keys are installation-wide. The first "
+    "revocation revokes the provisioner's boot-path credentials and unused runner sessions, "
+    "closes its control sessions and terminates its instances without a runner session; it runs "
+    "once.",
+    "GET /v1/admin/api-keys": _PAGE_NOTE,
+    "GET /v1/admin/registration-tokens": _PAGE_NOTE,
+    "GET /v1/admin/provisioner-tokens": _PAGE_NOTE + " `active` pages the same way.",
 }
 
 

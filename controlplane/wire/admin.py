@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from datetime import datetime
 from typing import Annotated, Literal
 from uuid import UUID
@@ -11,6 +12,30 @@ import msgspec
 from controlplane.wire.common import Name, Strict
 
 TtlSeconds = Annotated[int, msgspec.Meta(ge=1, le=31_536_000)]
+RevocationReason = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=512,
+        description="Not blank; no control (Unicode Cc) or format (Cf) characters.",
+    ),
+]
+
+
+class Revoke(Strict):
+    """The optional body of a revoke. The reason is kept with the first revocation, answered,
+    and logged."""
+
+    reason: RevocationReason | None = None
+
+    def __post_init__(self) -> None:
+        # msgspec reports a ValueError raised here as a validation error of the body.
+        if self.reason is None:
+            return
+        if not self.reason.strip():
+            raise ValueError("reason must not be blank")
+        if any(unicodedata.category(char) in ("Cc", "Cf") for char in self.reason):
+            raise ValueError("reason must not contain control or format characters")
 
 
 class CreateApiKey(Strict):
@@ -35,6 +60,7 @@ class CredentialOut(Strict):
     created_at: datetime
     expires_at: datetime | None
     revoked_at: datetime | None
+    revocation_reason: str | None
 
 
 class CreatedCredential(Strict):
@@ -44,6 +70,7 @@ class CreatedCredential(Strict):
 
 class CredentialList(Strict):
     items: list[CredentialOut]
+    next_cursor: str | None  # null on the last page
 
 
 class WorkspaceQueue(Strict):

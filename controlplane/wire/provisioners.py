@@ -33,6 +33,7 @@ class ProvisionerTokenOut(Strict):
     created_at: datetime
     expires_at: datetime | None
     revoked_at: datetime | None
+    revocation_reason: str | None
     last_seen_at: datetime | None
 
 
@@ -43,3 +44,4 @@ class CreatedProvisionerToken(Strict):
 
 class ProvisionerTokenList(Strict):
     items: list[ProvisionerTokenOut]
+    next_cursor: str | None  # null on the last page

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import uuid
+from typing import Any
 
 import anyio
 import asyncpg
@@ -14,6 +17,27 @@ from tests.factories import holding_lock
 from tests.web.conftest import Api
 
 KEYS = "/v1/admin/api-keys"
+
+
+async def _raw_post(api: Api, path: str, body: object, key: str) -> tuple[int, Any]:
+    """POST over a plain socket, with the Idempotency-Key header exactly as given."""
+    url = httpx.URL(api.daemon.address)
+    content = json.dumps(body).encode()
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: {url.host}\r\nConnection: close\r\n"
+        f"Authorization: Bearer {api.admin_key}\r\nIdempotency-Key:{key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(content)}\r\n\r\n"
+    ).encode() + content
+    assert url.port is not None
+    with anyio.fail_after(10):
+        async with await anyio.connect_tcp(url.host, url.port) as stream:
+            await stream.send(request)
+            received = b""
+            with contextlib.suppress(anyio.EndOfStream):
+                while True:
+                    received += await stream.receive()
+    head, _, payload = received.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload)
 
 
 def _headers(api: Api, key: str) -> dict[str, str]:
@@ -60,15 +84,39 @@ async def test_s61_the_same_key_with_another_body_is_refused_and_changes_nothing
     assert await db.fetchval("SELECT count(*) FROM api_keys") == before
 
 
-async def test_invalid_keys_are_refused(api: Api, db: asyncpg.Connection) -> None:
+async def test_s62_the_key_is_optional_but_a_bad_one_is_refused(
+    api: Api, db: asyncpg.Connection
+) -> None:
+    """S-62 refuses a create without a key; ours is a plain create then (a demanding operator
+    wants retries safe, not refused). A key over 256 characters, empty or blank is refused as
+    the spec's is, with our code `idempotency-key-invalid`, on creates and on revokes alike."""
+    body = {"kind": "orchestrator", "name": "a"}
     before = await db.fetchval("SELECT count(*) FROM api_keys")
+    target = await db.fetchval("SELECT id FROM api_keys WHERE kind = 'orchestrator'")
     for key in ("x" * 257, ""):
-        refused = await api.http.post(
-            KEYS, json={"kind": "orchestrator", "name": "a"}, headers=_headers(api, key)
-        )
-        assert refused.status_code == 400
+        refused = await api.http.post(KEYS, json=body, headers=_headers(api, key))
+        assert refused.status_code == 400, repr(key)
         assert refused.json()["error"]["code"] == "idempotency-key-invalid"
+        revoke = await api.http.post(
+            f"{KEYS}/{target}/revoke", json={"reason": "r"}, headers=_headers(api, key)
+        )
+        assert revoke.status_code == 400, repr(key)
+        assert revoke.json()["error"]["code"] == "idempotency-key-invalid"
+    # httpx will not send a whitespace-only header value; a client on a raw socket can.
+    for key in (" ", "  \t "):
+        for path, sent in ((KEYS, body), (f"{KEYS}/{target}/revoke", {"reason": "r"})):
+            status, answer = await _raw_post(api, path, sent, key)
+            assert status == 400, (repr(key), path)
+            assert answer["error"]["code"] == "idempotency-key-invalid"
     assert await db.fetchval("SELECT count(*) FROM api_keys") == before
+    assert await db.fetchval("SELECT revoked_at FROM api_keys WHERE id = $1", target) is None
+    assert await db.fetchval("SELECT count(*) FROM admin_commands") == 0
+    # Without the header: a plain create. The longest key is fine.
+    plain = await api.http.post(KEYS, json=body, headers=api.auth(api.admin_key))
+    assert plain.status_code == 201
+    longest = await api.http.post(KEYS, json=body, headers=_headers(api, "k" * 256))
+    assert longest.status_code == 201
+    assert await db.fetchval("SELECT count(*) FROM api_keys") == before + 2
 
 
 async def test_s65_a_replay_after_the_signing_key_rotated_is_unavailable(

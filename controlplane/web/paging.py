@@ -1,0 +1,50 @@
+"""Pages of the admin lists: `limit` (1-100, default 50) and an opaque `cursor` in, `next_cursor`
+out. Every paged list is ordered by (created_at, id) descending; the cursor (domain/fleet.py)
+names the last row of a page. The store is asked for one row more than the page, which is how we
+know that another page follows: `next_cursor` is null on the last page."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TypeVar
+from uuid import UUID
+
+from starlette.requests import Request
+
+from controlplane.domain.fleet import decode_cursor, encode_cursor
+from controlplane.web.edge import query_integer
+
+T = TypeVar("T")
+
+PAGE_QUERY = ("limit", "cursor")
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    limit: int
+    before: tuple[datetime, UUID] | None
+
+    @property
+    def fetch(self) -> int:
+        """Rows to ask the store for."""
+        return self.limit + 1
+
+
+def page_of(request: Request) -> Page:
+    """A bad `limit` is `validation-error`; a cursor we did not give, the empty string included,
+    is `invalid-cursor`."""
+    limit = query_integer(request, "limit", low=1, high=100, default=50)
+    cursor = request.query_params.get("cursor")
+    return Page(limit, None if cursor is None else decode_cursor(cursor))
+
+
+def cut(
+    rows: Sequence[T], page: Page, position: Callable[[T], tuple[datetime, UUID]]
+) -> tuple[list[T], str | None]:
+    """The page's rows and the cursor of the next page (None when this is the last)."""
+    shown = list(rows[: page.limit])
+    if len(rows) <= page.limit:
+        return shown, None
+    return shown, encode_cursor(*position(shown[-1]))
