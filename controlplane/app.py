@@ -199,7 +199,9 @@ class Daemon:
         dispatcher = Dispatcher(
             PoolClaims(pool, throttle),
             tick_seconds=settings.maintenance.dispatch_safety_tick_seconds,
-            touch_seconds=runners.liveness_throttle_seconds,
+            # Parked runners are stamped every three throttle windows (30 s by default): well
+            # inside the admin view's 60 s "seen recently", a third of the row writes.
+            touch_seconds=3 * runners.liveness_throttle_seconds,
         )
         cancels = CancelBoard()
         keys = KeyRing(pool)
