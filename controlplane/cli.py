@@ -335,7 +335,8 @@ example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait --
         help="show the queue, and the provisioned fleet when there is one",
         description="Print GET /v1/admin/queue as a table: one row per workspace with pending "
         "or running jobs, busiest first, then the totals. Then, each only when not empty: the "
-        "active provisioners with when they were last seen, live reservations per workspace, "
+        "same jobs per workspace and required label set, the active provisioners with when "
+        "they were last seen, live reservations per workspace, "
         "labels and kind, and runner instances per state.",
     )
     status.add_argument("--url", **_from_env("CONTROLPLANE_URL"), help=url_help)

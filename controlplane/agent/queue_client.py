@@ -116,6 +116,18 @@ def queue_table(queue: QueueOut) -> str:
     return "\n".join(lines)
 
 
+def labels_table(queue: QueueOut) -> str | None:
+    """Each workspace's jobs per required label set (busiest workspace first), or None."""
+    rows = [
+        [str(item.workspace_id), ",".join(group.labels), str(group.queued), str(group.running)]
+        for item in sorted(
+            queue.workspaces, key=lambda w: (-w.queued, -w.running, str(w.workspace_id))
+        )
+        for group in item.labels
+    ]
+    return _table(["QUEUED_IN", "LABELS", "PENDING", "RUNNING"], rows) if rows else None
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return "\n".join(
@@ -185,7 +197,11 @@ async def status(url: str, key: str) -> int:
             RunnerInstanceCounts,
         )
     _say(queue_table(queue))
-    for table in fleet_tables(provisioners, reservations, counts):
+    by_labels = labels_table(queue)
+    for table in [
+        *([by_labels] if by_labels else []),
+        *fleet_tables(provisioners, reservations, counts),
+    ]:
         _say("")
         _say(table)
     return 0

@@ -23,10 +23,19 @@ class QueueDepth:
 
 
 @dataclass(frozen=True, slots=True)
+class LabelCounts:
+    labels: tuple[str, ...]
+    queued: int
+    running: int
+    oldest_queued_at: datetime | None  # None when none of this label set is queued
+
+
+@dataclass(frozen=True, slots=True)
 class WorkspaceCounts:
     workspace_id: UUID
     queued: int
     running: int
+    labels: tuple[LabelCounts, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,18 +56,48 @@ async def depth(conn: Conn) -> QueueDepth:
 
 
 async def workspace_counts(conn: Conn, workspace_ids: Sequence[UUID]) -> list[WorkspaceCounts]:
-    """One entry per requested workspace, in input order, zero where there are no rows."""
+    """One entry per requested workspace, in input order, zero where there are no rows, with
+    its queued and running jobs per required label set (most queued first). One statement, so
+    the per-workspace totals and the per-label rows agree."""
     rows = await conn.fetch(
         """
-        SELECT w.id,
-               (SELECT count(*) FROM pending_jobs p WHERE p.workspace_id = w.id) AS queued,
-               (SELECT count(*) FROM running_jobs r WHERE r.workspace_id = w.id) AS running
-        FROM unnest($1::uuid[]) WITH ORDINALITY AS w(id, n)
-        ORDER BY w.n
+        WITH per_labels AS (
+            SELECT workspace_id, required_labels, sum(q)::int AS queued, sum(r)::int AS running,
+                   min(oldest) AS oldest
+              FROM (SELECT workspace_id, required_labels, count(*) AS q, 0 AS r,
+                           min(created_at) AS oldest
+                      FROM pending_jobs WHERE workspace_id = ANY($1::uuid[])
+                     GROUP BY workspace_id, required_labels
+                    UNION ALL
+                    SELECT workspace_id, required_labels, 0, count(*), NULL
+                      FROM running_jobs WHERE workspace_id = ANY($1::uuid[])
+                     GROUP BY workspace_id, required_labels) AS t
+             GROUP BY workspace_id, required_labels
+        )
+        SELECT w.id, w.n, p.required_labels, p.queued, p.running, p.oldest
+          FROM unnest($1::uuid[]) WITH ORDINALITY AS w(id, n)
+          LEFT JOIN per_labels p ON p.workspace_id = w.id
+         ORDER BY w.n, p.queued DESC, p.running DESC, p.required_labels
         """,
         list(workspace_ids),
     )
-    return [WorkspaceCounts(row["id"], row["queued"], row["running"]) for row in rows]
+    grouped: dict[UUID, list[LabelCounts]] = {w: [] for w in workspace_ids}
+    for row in rows:
+        if row["required_labels"] is not None:
+            grouped[row["id"]].append(
+                LabelCounts(
+                    tuple(row["required_labels"]), row["queued"], row["running"], row["oldest"]
+                )
+            )
+    return [
+        WorkspaceCounts(
+            w,
+            sum(c.queued for c in grouped[w]),
+            sum(c.running for c in grouped[w]),
+            tuple(grouped[w]),
+        )
+        for w in workspace_ids
+    ]
 
 
 async def active_leases(

@@ -179,7 +179,20 @@ async def queue_overview(request: Request) -> Response:
             pending=depth.pending,
             running=depth.running,
             workspaces=[
-                wire.WorkspaceQueue(workspace_id=c.workspace_id, queued=c.queued, running=c.running)
+                wire.WorkspaceQueue(
+                    workspace_id=c.workspace_id,
+                    queued=c.queued,
+                    running=c.running,
+                    labels=[
+                        wire.LabelQueue(
+                            labels=list(group.labels),
+                            queued=group.queued,
+                            running=group.running,
+                            oldest_queued_at=group.oldest_queued_at,
+                        )
+                        for group in c.labels
+                    ],
+                )
                 for c in counts
             ],
         )

@@ -73,10 +73,18 @@ class CredentialList(Strict):
     next_cursor: str | None  # null on the last page
 
 
+class LabelQueue(Strict):
+    labels: list[str]
+    queued: int
+    running: int
+    oldest_queued_at: datetime | None
+
+
 class WorkspaceQueue(Strict):
     workspace_id: UUID
     queued: int
     running: int
+    labels: list[LabelQueue] = msgspec.field(default_factory=list)
 
 
 class QueueOut(Strict):

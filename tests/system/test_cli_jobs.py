@@ -99,12 +99,19 @@ async def test_status_prints_the_queue_per_workspace(
             "status", "--url", daemon.address, CONTROLPLANE_ADMIN_KEY=creds.admin_key
         )
     assert shown.returncode == 0, shown.stderr
-    rows = [line.split() for line in shown.stdout.splitlines()]
-    assert rows == [
+    queue, by_labels = [
+        [line.split() for line in block.splitlines()] for block in shown.stdout.split("\n\n")
+    ]
+    assert queue == [
         ["WORKSPACE", "PENDING", "RUNNING"],
         [str(creds.workspace), "2", "0"],
         [str(other.workspace), "1", "0"],
         ["TOTAL", "3", "0"],
+    ]
+    assert by_labels == [
+        ["QUEUED_IN", "LABELS", "PENDING", "RUNNING"],
+        [str(creds.workspace), "linux", "2", "0"],
+        [str(other.workspace), "linux", "1", "0"],
     ]
 
 

@@ -288,10 +288,24 @@ async def test_queue_overview_counts_pending_and_running_per_workspace(api: Api)
     body = (await admin_get(api, "/queue")).json()
     assert (body["pending"], body["running"]) == (2, 1)
     by_workspace = {item["workspace_id"]: item for item in body["workspaces"]}
-    assert by_workspace == {
-        str(api.workspace): {"workspace_id": str(api.workspace), "queued": 1, "running": 1},
-        str(other): {"workspace_id": str(other), "queued": 1, "running": 0},
+    assert {w: (i["queued"], i["running"]) for w, i in by_workspace.items()} == {
+        str(api.workspace): (1, 1),
+        str(other): (1, 0),
     }
+    [mine] = by_workspace[str(api.workspace)]["labels"]
+    assert (mine["labels"], mine["queued"], mine["running"]) == (["linux"], 1, 1)
+    assert mine["oldest_queued_at"] is not None
+
+
+async def test_queue_overview_breaks_a_workspace_down_by_label_set(api: Api) -> None:
+    await api.enqueue(api.job(["linux", "x64"]), api.job(["linux", "x64"]), api.job(["gpu"]))
+    session = await api.register(["gpu", "linux"])
+    assert (await api.request_job(session)).status_code == 200  # takes the gpu job
+    [workspace] = (await admin_get(api, "/queue")).json()["workspaces"]
+    assert (workspace["queued"], workspace["running"]) == (2, 1)
+    groups = [(g["labels"], g["queued"], g["running"]) for g in workspace["labels"]]
+    assert groups == [(["linux", "x64"], 2, 0), (["gpu"], 0, 1)]
+    assert workspace["labels"][1]["oldest_queued_at"] is None  # nothing of it queued
 
 
 # Health ---------------------------------------------------------------------------------------
