@@ -64,11 +64,17 @@ async def test_j86_workspace_counts_follow_input_order_and_count_cancelled_lease
 
     counts = await queries.workspace_counts(conn, [a, b, c])
 
-    assert counts == [
-        queries.WorkspaceCounts(a, queued=3, running=2),
-        queries.WorkspaceCounts(b, queued=0, running=0),
-        queries.WorkspaceCounts(c, queued=1, running=0),
+    assert [(w.workspace_id, w.queued, w.running) for w in counts] == [
+        (a, 3, 2),
+        (b, 0, 0),
+        (c, 1, 0),
     ]
+    # Per label set, most queued first; the cancelled lease still counts as running.
+    assert [(g.labels, g.queued, g.running) for g in counts[0].labels] == [
+        (("linux",), 2, 2),
+        (("macos",), 1, 0),
+    ]
+    assert counts[1].labels == ()
 
 
 async def test_j87_active_leases_use_a_60s_window_newest_heartbeat_first(
