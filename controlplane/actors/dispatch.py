@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 from uuid import UUID
@@ -73,25 +73,35 @@ class WaiterState(enum.Enum):
     ABANDONED = "abandoned"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Waiter:
+    """A parked job request. `done` is set when it is answered; `on_answer`, when the request
+    handler set one, is called too (the handler cancels its wait with it, so a parked request
+    needs no second task to watch for its answer)."""
+
     session: SessionClaims
     state: WaiterState = WaiterState.WAITING
     job: ClaimedJob | None = None
     error: ControlPlaneError | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
+    on_answer: Callable[[], object] | None = None
 
     def deliver(self, job: ClaimedJob) -> bool:
         if self.state is not WaiterState.WAITING:
             return False
         self.state, self.job = WaiterState.DELIVERED, job
-        self.done.set()
+        self._answered()
         return True
 
     def fail(self, error: ControlPlaneError) -> None:
         if self.state is WaiterState.WAITING:
             self.state, self.error = WaiterState.FAILED, error
-            self.done.set()
+            self._answered()
+
+    def _answered(self) -> None:
+        self.done.set()
+        if self.on_answer is not None:
+            self.on_answer()
 
     def abandon(self) -> bool:
         """Stop waiting. False when a job was delivered first (the caller then owns it)."""

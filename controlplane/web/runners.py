@@ -238,6 +238,21 @@ async def request_job(request: Request) -> Response:
     return response
 
 
+async def _park(request: Request, waiter: Waiter, seconds: float) -> bool:
+    """Wait up to `seconds` for the waiter's answer, watching for the client to disconnect;
+    True when it did. One task per parked request: the answer cancels the wait on the
+    request's next message (this route reads no body, so only `http.disconnect` comes)."""
+    with anyio.move_on_after(seconds) as scope:
+        waiter.on_answer = scope.cancel
+        if waiter.state is not WaiterState.WAITING:
+            return False  # answered before the wait was armed (no await since the check)
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return True
+    return False
+
+
 async def _request_job(request: Request) -> Response:
     svc = auth.services(request)
     session = await auth.runner_session(request)
@@ -249,7 +264,7 @@ async def _request_job(request: Request) -> Response:
         return _nothing() if job is None else _job_response(svc, session, job)
     waiter = Waiter(session)
     svc.dispatcher.park(waiter)
-    disconnected = await hold(request, waiter.done, wait)
+    disconnected = await _park(request, waiter, wait)
     if waiter.abandon():
         # Nothing was delivered, and from now on nothing will be.
         if isinstance(waiter.error, ShuttingDown):
@@ -259,7 +274,7 @@ async def _request_job(request: Request) -> Response:
         return _nothing()
     job = waiter.job
     assert job is not None
-    # A disconnect in the same step as the delivery is not seen by hold(); look once more.
+    # A disconnect in the same step as the delivery is not seen by _park(); look once more.
     if disconnected or await request.is_disconnected():
         await svc.dispatcher.put_back(job, session.runner_session_id)
         log.info(
