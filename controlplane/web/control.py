@@ -38,10 +38,11 @@ log = logging.getLogger("controlplane.control")
 
 MAX_FRAME_BYTES = 64 * 1024
 _UNAVAILABLE: tuple[type[Exception], ...] = (Unavailable, *DATABASE_FAULTS)
-# The peer or the server's transport went away: nothing left to answer.
+# The peer or the server's transport went away: nothing left to answer. (OSError is not here:
+# it is as often the database's connection as the socket's, so it counts as unavailable, and
+# closing a socket that is already gone is harmless.)
 _GONE: tuple[type[Exception], ...] = (
     WebSocketDisconnect,
-    OSError,
     anyio.ClosedResourceError,
     anyio.BrokenResourceError,
 )
@@ -118,7 +119,7 @@ async def _close(websocket: WebSocket, outcome: Close) -> None:
         return
     if websocket.application_state is not WebSocketState.CONNECTED:
         return
-    with contextlib.suppress(RuntimeError, *_GONE):
+    with contextlib.suppress(RuntimeError, OSError, *_GONE):
         await websocket.close(outcome.code, _reason(outcome.reason))
 
 
@@ -130,10 +131,15 @@ async def _converse(websocket: WebSocket, svc: Services, found: Provisioner) -> 
     try:
         with anyio.CancelScope() as scope:
             conversation.scope = scope
-            async with anyio.create_task_group() as tasks:
-                conversation.tasks = tasks
-                outcome = await conversation.read()
-                tasks.cancel_scope.cancel()
+            try:
+                async with anyio.create_task_group() as tasks:
+                    conversation.tasks = tasks
+                    outcome = await conversation.read()
+                    tasks.cancel_scope.cancel()
+            except BaseExceptionGroup as errors:
+                # The task group wraps what the reader raised; `session` maps the exception
+                # itself (a vanished peer, a database fault) to its close.
+                raise _first(errors) from None
             # The actor may have ended the session first (fenced, or a failed round).
             return conversation.fenced or outcome
     finally:
@@ -155,6 +161,14 @@ async def _converse(websocket: WebSocket, svc: Services, found: Provisioner) -> 
         )
         return Close(*_FENCE_CLOSE.get(verdict, (SUPERSEDED, "superseded")))
     return Close(GOING_AWAY, "going away")
+
+
+def _first(errors: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first exception of a (nested) exception group."""
+    first: BaseException = errors
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
 
 
 class _Conversation:
@@ -256,11 +270,11 @@ class _Conversation:
             await actor.run()
         except Fenced as error:
             self.fenced = Close(*_FENCE_CLOSE[error.verdict])
-        except _GONE_OR_CLOSED:
-            pass  # the socket went away under a push; the reader sees it too
         except _UNAVAILABLE as error:
             log.warning("control.database_unavailable", extra={"error": type(error).__name__})
             self.fenced = Close(TRY_AGAIN_LATER, "unavailable")
+        except _GONE_OR_CLOSED:
+            pass  # the socket went away under a push; the reader sees it too
         except Exception:
             log.exception("control.actor_failed", extra={"provisioner_id": str(self.found.id)})
             self.fenced = Close(INTERNAL_ERROR, "internal error")

@@ -8,11 +8,14 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 
+import anyio
 import asyncpg
 import pytest
+from websockets.exceptions import ConnectionClosed
 
 from controlplane import app
 from controlplane.store import provisioners
+from controlplane.store.embedded import EmbeddedPostgres
 from tests.web import conftest
 from tests.web.conftest import Api, run_daemon
 from tests.web.control_client import closed_with, hello, open_session, send
@@ -172,3 +175,34 @@ async def test_p55_j140_a_cancelled_job_pushes_a_terminate_intent_at_once(
     pushed = await until(ws, "demand", terminate_provider_runner_ids=["vm-cancel"])
     assert pushed["grants"] == []
     await ws.close()
+
+
+async def test_a_database_fault_during_a_request_closes_1013_and_the_next_session_works(
+    database_url: str, embedded_server: EmbeddedPostgres, db: asyncpg.Connection
+) -> None:
+    _, raw = await provisioners.create(db, name="fleet", workspace_id=uuid.uuid4())
+    await db.close()
+    async for daemon in run_daemon(database_url, conftest.test_settings()):
+        ws = await open_session(daemon, raw)
+        await hello(ws)
+        await anyio.to_thread.run_sync(embedded_server.stop, "fast")
+        try:
+            await send(
+                ws,
+                {"type": "advertise", "request_id": "a", "templates": [], "max_reservations": 0},
+            )
+            code, reason = await closed_with(ws)
+            assert (code, reason) == (1013, "unavailable")
+        finally:
+            await anyio.to_thread.run_sync(embedded_server.start)
+        again = await open_session(daemon, raw)
+        with anyio.fail_after(30):
+            while True:  # the pool reconnects on its own
+                try:
+                    await hello(again)
+                    break
+                except ConnectionClosed:
+                    again = await open_session(daemon, raw)
+                    await anyio.sleep(0.2)
+        await advertise(again, templates=[])
+        await again.close()
