@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
 
 import anyio
@@ -17,7 +18,7 @@ from controlplane import metrics
 from controlplane.actors.dispatch import Waiter, WaiterState
 from controlplane.domain import tokens
 from controlplane.domain.jobs import ClaimedJob, Outcome, SessionClaims
-from controlplane.domain.labels import canonicalise, strip_reserved
+from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
 from controlplane.errors import (
     InvalidInput,
     LeaseJobMismatch,
@@ -97,15 +98,7 @@ async def _register_activation(request: Request) -> Response:
     grant = await auth.activation(request)
     body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
     _check_capabilities(body.capabilities)
-    supplied = canonicalise(body.labels)
-    labels = supplied
-    if grant.provisioner_scope != "installation":
-        labels = strip_reserved(supplied, svc.reserved_labels)
-    if not labels:
-        raise RunnerLabelsReserved(
-            "every supplied label is reserved for installation provisioners",
-            labels=list(supplied),
-        )
+    labels = _provisioned_labels(body.labels, grant.provisioner_scope, svc.reserved_labels)
     async with svc.pool.acquire() as conn:
         session = await runner_instances.consume_activation(
             conn,
@@ -167,15 +160,7 @@ async def _register_ephemeral(request: Request) -> Response:
             extra={**ids, "error": type(error.__cause__).__name__},
         )
         raise
-    supplied = canonicalise(body.labels)
-    labels = supplied
-    if grant.provisioner_scope != "installation":
-        labels = strip_reserved(supplied, svc.reserved_labels)
-    if not labels:
-        raise RunnerLabelsReserved(
-            "every supplied label is reserved for installation provisioners",
-            labels=list(supplied),
-        )
+    labels = _provisioned_labels(body.labels, grant.provisioner_scope, svc.reserved_labels)
     async with svc.pool.acquire() as conn:
         consumed = await ephemeral_store.consume(
             conn,
@@ -222,6 +207,23 @@ def _job_response(svc: Services, session: SessionClaims, job: ClaimedJob) -> Res
             heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,
         )
     )
+
+
+def _provisioned_labels(
+    declared: Sequence[str], provisioner_scope: str | None, reserved: LabelSet
+) -> LabelSet:
+    """A provisioned runner's labels: canonical, and without the reserved ones unless its
+    provisioner has installation scope. All reserved: `runner-labels-reserved`."""
+    supplied = canonicalise(declared)
+    labels = supplied
+    if provisioner_scope != "installation":
+        labels = strip_reserved(supplied, reserved)
+    if not labels:
+        raise RunnerLabelsReserved(
+            "every supplied label is reserved for installation provisioners",
+            labels=list(supplied),
+        )
+    return labels
 
 
 def _nothing() -> Response:
