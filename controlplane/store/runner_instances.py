@@ -660,19 +660,6 @@ async def has_pending_assignment(conn: Conn, runner_instance_id: UUID) -> bool:
     return bool(found)
 
 
-async def poll_activation(conn: Conn, runner_instance_id: UUID, ttl: timedelta) -> str | None:
-    """One round of the assignment long-poll: a fresh token when there is an assignment."""
-    if not await has_pending_assignment(conn, runner_instance_id):
-        return None
-    token, reason = await issue_activation_token(conn, runner_instance_id, ttl)
-    if token is None:
-        log.debug(
-            "runner.activation_not_issued",
-            extra={"runner_instance_id": str(runner_instance_id), "reason": reason},
-        )
-    return token
-
-
 @dataclass(frozen=True, slots=True)
 class ActivationGrant:
     """A usable activation token, with what registration needs to know of its runner."""

@@ -224,7 +224,7 @@ async def assignment(request: Request) -> Response:
         with assignments.watch(runner_id) as event:
             armed[:] = [event]
             async with svc.pool.acquire() as conn:
-                # runner_instances.poll_activation, with the reason a token was not issued.
+                # A fresh token when there is an assignment; the reason when none is issued.
                 if not await runner_instances.has_pending_assignment(conn, runner_id):
                     return None
                 token, reason = await runner_instances.issue_activation_token(conn, runner_id, ttl)
