@@ -40,10 +40,11 @@ import asyncpg
 
 from controlplane import metrics
 from controlplane.domain.binding import Scope
-from controlplane.domain.demand import Template, warm_pool_launches, without_pending
+from controlplane.domain.demand import Template, warm_pool_launches
 from controlplane.domain.labels import LabelSet
 from controlplane.store import demand, reservations
 from controlplane.store.demand import TerminateReason
+from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import Fence, hold_fence
 from controlplane.store.provisioners import Provisioner
 from controlplane.wire import control as wire
@@ -166,61 +167,58 @@ class ProvisionerActor:
         outcome = _Outcome(remaining=advertisement.templates)
         if self.scope is Scope.WORKSPACE:
             assert self.provisioner.workspace_id is not None
-            workspace_id = self.provisioner.workspace_id
-            budget = advertisement.max_reservations
-            await self._workspace_round(outcome, advertisement, workspace_id, budget)
+            await self._workspace_round(outcome, advertisement, self.provisioner.workspace_id)
             return outcome
-        async with self.pool.acquire() as conn:
-            workspace_ids = await reservations.demand_workspaces(conn)
-        remaining_max = advertisement.max_reservations
-        for workspace_id in workspace_ids:
-            if remaining_max <= 0:
-                break
-            remaining_max = await self._workspace_round(
-                outcome, advertisement, workspace_id, remaining_max
-            )
-        async with self.pool.acquire() as conn:
-            pending = await reservations.outstanding_grants(conn, self.provisioner.id)
-        outcome.remaining = without_pending(advertisement.templates, pending)
+
+        async def record(result: demand.WorkspaceRound) -> None:
+            self._record(outcome, result)
+
+        walk = await demand.allocate_installation(
+            self.pool,
+            provisioner_id=self.provisioner.id,
+            templates=advertisement.templates,
+            max_reservations=advertisement.max_reservations,
+            launch_ttl=advertisement.launch_ttl,
+            activation_grace=self.limits.activation_grace,
+            covering_window=self.limits.covering_window,
+            activation_timeout=self.limits.activation_timeout,
+            fence=self._fence,
+            on_round=record,
+        )
+        outcome.remaining = walk.remaining_templates
         return outcome
 
-    async def _workspace_round(
-        self, outcome: _Outcome, advertisement: Advertisement, workspace_id: UUID, budget: int
-    ) -> int:
-        """One fenced allocation transaction; returns the budget left.
+    async def _fence(self, conn: Conn) -> None:
+        """The first lock of every round's transaction: this session's generation, FOR SHARE."""
+        verdict = await hold_fence(conn, self.provisioner.id, self.generation)
+        if verdict is not Fence.CURRENT:
+            raise Fenced(verdict)
 
-        The templates passed in are the advertised ones minus this provisioner's launch units
-        still to be launched in every *other* workspace (allocation charges the ones of this
-        workspace itself). They are read fresh for each workspace, so grants committed earlier
-        in this round and reservations of workspaces skipped as busy hold their slots.
-        """
-        installation = self.scope is Scope.INSTALLATION
+    async def _workspace_round(
+        self, outcome: _Outcome, advertisement: Advertisement, workspace_id: UUID
+    ) -> None:
+        """A workspace provisioner's round: one fenced allocation transaction."""
         async with self.pool.acquire() as conn, conn.transaction():
-            verdict = await hold_fence(conn, self.provisioner.id, self.generation)
-            if verdict is not Fence.CURRENT:
-                raise Fenced(verdict)
-            templates = advertisement.templates
-            if installation:
-                pending = await reservations.outstanding_grants(conn, self.provisioner.id)
-                elsewhere = [(r, n) for r, n in pending if r.workspace_id != workspace_id]
-                templates = without_pending(templates, elsewhere)
+            await self._fence(conn)
             result = await demand.allocate_workspace(
                 conn,
                 provisioner_id=self.provisioner.id,
                 scope=self.scope,
                 workspace_id=workspace_id,
-                templates=templates,
-                max_reservations=budget,
+                templates=advertisement.templates,
+                max_reservations=advertisement.max_reservations,
                 launch_ttl=advertisement.launch_ttl,
                 activation_grace=self.limits.activation_grace,
-                covering_window=self.limits.covering_window if installation else None,
-                try_lock=installation,
                 activation_timeout=self.limits.activation_timeout,
             )
-        if result is None:
-            return budget  # busy workspace (installation): the next round serves it
+        assert result is not None  # a blocking workspace lock: never skipped
+        self._record(outcome, result)
+        outcome.remaining = result.allocation.remaining_templates
+
+    def _record(self, outcome: _Outcome, result: demand.WorkspaceRound) -> None:
+        """Add one committed workspace round to what this round will push."""
+        workspace_id = result.workspace_id
         allocation = result.allocation
-        outcome.remaining = allocation.remaining_templates
         outcome.bound_ids = outcome.bound_ids | allocation.bound_runner_ids
         outcome.newly_reserved += allocation.newly_reserved
         outcome.stats.extend(
@@ -254,7 +252,6 @@ class ProvisionerActor:
             if intent.reason is TerminateReason.ACTIVATION_TIMEOUT and not intent.retry
         )
         metrics.activation_outcomes.labels("reaped").inc(reaped)
-        return allocation.remaining_max
 
     async def _warm(self, advertisement: Advertisement, outcome: _Outcome) -> list[wire.WarmLaunch]:
         if not any(t.idle_target for t in advertisement.templates):

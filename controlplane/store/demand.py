@@ -28,6 +28,7 @@ from controlplane.domain.demand import (
     Template,
     allocate,
     live_reservation_ids,
+    without_pending,
 )
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.domain.runner_instances import activation_timed_out
@@ -43,6 +44,7 @@ from controlplane.store.reservations import (
     lock_runners,
     lock_workspace,
     notify_assigned,
+    outstanding_grants,
     reservation_from_row,
     runner_from_row,
     try_lock_workspace,
@@ -627,15 +629,19 @@ async def allocate_workspace(
 # --- installation scope --------------------------------------------------------------------------
 
 
-async def demand_workspaces(conn: Conn, eligible: Collection[UUID] | None = None) -> list[UUID]:
-    """Workspaces with pending jobs, oldest demand first (then id); `eligible` None is all."""
+async def demand_workspaces(
+    conn: Conn, eligible: Collection[UUID] | None = None, *, limit: int = 1000
+) -> list[UUID]:
+    """Workspaces with pending jobs, oldest demand first (then id), at most `limit` (one walk
+    serves the oldest; the rest wait for a later round); `eligible` None is all."""
     rows = await conn.fetch(
         """
         SELECT workspace_id FROM pending_jobs
          WHERE $1::uuid[] IS NULL OR workspace_id = ANY($1::uuid[])
-         GROUP BY workspace_id ORDER BY min(created_at), workspace_id
+         GROUP BY workspace_id ORDER BY min(created_at), workspace_id LIMIT $2
         """,
         None if eligible is None else list(eligible),
+        limit,
     )
     return [r["workspace_id"] for r in rows]
 
@@ -649,22 +655,29 @@ async def allocate_installation(
     launch_ttl: timedelta,
     activation_grace: timedelta,
     covering_window: timedelta | None,
+    activation_timeout: timedelta | None = None,
     eligible: Collection[UUID] | None = None,
+    fence: Callable[[Conn], Awaitable[None]] | None = None,
     on_round: Callable[[WorkspaceRound], Awaitable[None]] | None = None,
 ) -> InstallationRound:
     """Spec 3.5: each workspace with pending jobs, oldest demand first, in its own transaction
     (`allocate_workspace` with a try-lock: a busy workspace is skipped, never waited for),
-    carrying the budget and the template slots left to the next.
+    carrying the budget to the next.
 
-    The slots carried are `Allocation.remaining_templates`: launch grants drew from them, bound
-    runners did not (they already run), and so did this provisioner's own pending units in the
-    workspace just served. The reference carried launch grants only, which lets a later
-    workspace take the slots of launches an earlier one is still waiting for.
+    The slots offered to a workspace are the advertised ones minus this provisioner's launch
+    units still to be launched in every *other* workspace, read fresh in that workspace's
+    transaction (allocation itself charges the ones of the workspace it serves): grants made
+    earlier in the walk, and those of a workspace skipped as busy, hold their slots. The
+    reference carried only this walk's launch grants, which let a skipped workspace's slots be
+    granted again elsewhere. Bound runners take no slot (they already run).
 
-    `on_round` sees each committed round before the next starts, so a caller cancelled mid-walk
-    has heard of every grant it must give back.
+    `fence`, when given, runs first in each workspace's transaction (a control session's fencing
+    lock, which raises when the session lost its generation). `on_round` sees each committed
+    round before the next starts, so a caller cancelled mid-walk has heard of every grant it must
+    give back.
 
-    Locks: per workspace, those of `allocate_workspace`; no lock is held across workspaces.
+    Locks: per workspace, the fence's, then those of `allocate_workspace`; no lock is held across
+    workspaces.
     """
     if isinstance(pool_or_conn, asyncpg.Pool):
         async with pool_or_conn.acquire() as borrowed:
@@ -676,37 +689,45 @@ async def allocate_installation(
                 launch_ttl=launch_ttl,
                 activation_grace=activation_grace,
                 covering_window=covering_window,
+                activation_timeout=activation_timeout,
                 eligible=eligible,
+                fence=fence,
                 on_round=on_round,
             )
     conn: Conn = pool_or_conn
-    remaining = tuple(replace(t, labels=canonicalise(t.labels)) for t in templates)
+    advertised = tuple(replace(t, labels=canonicalise(t.labels)) for t in templates)
     remaining_max = max_reservations
     rounds: list[WorkspaceRound] = []
     skipped: list[UUID] = []
     for workspace_id in await demand_workspaces(conn, eligible):
         if remaining_max <= 0:
             break
-        result = await allocate_workspace(
-            conn,
-            provisioner_id=provisioner_id,
-            scope=Scope.INSTALLATION,
-            workspace_id=workspace_id,
-            templates=remaining,
-            max_reservations=remaining_max,
-            launch_ttl=launch_ttl,
-            activation_grace=activation_grace,
-            covering_window=covering_window,
-            try_lock=True,
-        )
+        async with conn.transaction():
+            if fence is not None:
+                await fence(conn)
+            pending = await outstanding_grants(conn, provisioner_id)
+            elsewhere = [(r, n) for r, n in pending if r.workspace_id != workspace_id]
+            result = await allocate_workspace(
+                conn,
+                provisioner_id=provisioner_id,
+                scope=Scope.INSTALLATION,
+                workspace_id=workspace_id,
+                templates=without_pending(advertised, elsewhere),
+                max_reservations=remaining_max,
+                launch_ttl=launch_ttl,
+                activation_grace=activation_grace,
+                covering_window=covering_window,
+                try_lock=True,
+                activation_timeout=activation_timeout,
+            )
         if result is None:
             skipped.append(workspace_id)
             continue
         rounds.append(result)
-        remaining = result.allocation.remaining_templates
         remaining_max = result.allocation.remaining_max
         if on_round is not None:
             await on_round(result)
+    remaining = without_pending(advertised, await outstanding_grants(conn, provisioner_id))
     return InstallationRound(tuple(rounds), tuple(skipped), remaining, remaining_max)
 
 

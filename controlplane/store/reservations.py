@@ -270,15 +270,3 @@ async def outstanding_grants(conn: Conn, provisioner_id: UUID) -> list[tuple[Res
         provisioner_id,
     )
     return [(reservation_from_row(row), row["pending"]) for row in rows if row["pending"] > 0]
-
-
-async def demand_workspaces(conn: Conn, *, limit: int = 1000) -> list[UUID]:
-    """Workspaces with pending jobs, oldest demand first (then id): the installation order."""
-    rows = await conn.fetch(
-        """
-        SELECT workspace_id FROM pending_jobs GROUP BY workspace_id
-         ORDER BY min(created_at), workspace_id LIMIT $1
-        """,
-        limit,
-    )
-    return [row["workspace_id"] for row in rows]
