@@ -397,20 +397,22 @@ async def _bind(
 
 # --- terminate intents -------------------------------------------------------------------------
 
-_CANCELLED = """
+# Terminate intents (spec 3.6), shared with the honored-intent check of reports
+# (store/runner_reports.py): $1 workspace, $2 provisioner, $3 activation timeout (interval).
+CANCELLED_SQL = """
     COALESCE((SELECT rj.cancellation_requested_at IS NOT NULL FROM running_jobs rj
                WHERE rj.workspace_id = ri.workspace_id AND rj.provisioner_id = ri.provisioner_id
                  AND rj.provider_runner_id = ri.provider_runner_id
                ORDER BY rj.started_at DESC, rj.job_execution_id DESC LIMIT 1), false)
 """
-_TIMED_OUT = """
+TIMED_OUT_SQL = """
     ($3::interval IS NOT NULL AND ri.launch_kind = 'demand' AND ri.runner_session_id IS NULL
      AND ri.created_at < now() - $3::interval
      AND NOT EXISTS (SELECT 1 FROM reservations r
                       WHERE r.workspace_id = $1 AND r.provisioner_id = $2 AND r.expires_at > now()
                         AND r.id IN (ri.reservation_id, ri.intended_reservation_id)))
 """
-_INTENT_ROWS = f"""
+INTENT_ROWS_SQL = f"""
     FROM runner_instances ri
    WHERE ri.workspace_id = $1 AND ri.provisioner_id = $2 AND ri.provider_runner_id IS NOT NULL
      AND ri.state IN {_ACTIVE}
@@ -425,7 +427,8 @@ async def _timeout_candidates(
     if activation_timeout is None:
         return []
     rows = await conn.fetch(
-        f"SELECT ri.id {_INTENT_ROWS} AND ri.reservation_released_at IS NULL AND {_TIMED_OUT}",
+        f"SELECT ri.id {INTENT_ROWS_SQL}"
+        f" AND ri.reservation_released_at IS NULL AND {TIMED_OUT_SQL}",
         workspace_id,
         provisioner_id,
         activation_timeout,
@@ -446,8 +449,8 @@ async def _terminate_intents(
     existed). First deliveries of an activation timeout are marked released here."""
     rows = await conn.fetch(
         f"""
-        SELECT {RUNNER_COLUMNS}, {_CANCELLED} AS cancelled {_INTENT_ROWS}
-           AND ({_CANCELLED} OR {_TIMED_OUT})
+        SELECT {RUNNER_COLUMNS}, {CANCELLED_SQL} AS cancelled {INTENT_ROWS_SQL}
+           AND ({CANCELLED_SQL} OR {TIMED_OUT_SQL})
          ORDER BY ri.provider_runner_id LIMIT $4
         """,
         workspace_id,

@@ -48,6 +48,7 @@ from controlplane.domain.runner_instances import (
 )
 from controlplane.errors import Conflict
 from controlplane.store import ephemeral, locks
+from controlplane.store.demand import CANCELLED_SQL, INTENT_ROWS_SQL, TIMED_OUT_SQL
 from controlplane.store.pool import Conn
 from controlplane.store.reservations import (
     db_now,
@@ -382,28 +383,14 @@ async def _terminate_intents(
     terminate intent, i.e. which of these runners are still active and were told to stop."""
     rows = await conn.fetch(
         f"""
-        SELECT ri.provider_runner_id,
-               (ri.launch_kind = 'demand' AND ri.runner_session_id IS NULL
-                AND ri.created_at < now() - $4::interval
-                AND NOT EXISTS (
-                    SELECT 1 FROM reservations r
-                     WHERE r.workspace_id = ri.workspace_id AND r.provisioner_id = ri.provisioner_id
-                       AND r.expires_at > now()
-                       AND r.id IN (ri.reservation_id, ri.intended_reservation_id))
-               ) AS timed_out,
-               (SELECT j.cancellation_requested_at IS NOT NULL FROM running_jobs j
-                 WHERE j.workspace_id = ri.workspace_id AND j.provisioner_id = ri.provisioner_id
-                   AND j.provider_runner_id = ri.provider_runner_id
-                 ORDER BY j.started_at DESC, j.job_execution_id DESC LIMIT 1) AS cancelled
-          FROM runner_instances ri
-         WHERE ri.workspace_id = $1 AND ri.provisioner_id = $2
-           AND ri.provider_runner_id = ANY($3::text[]) AND ri.state IN {_ACTIVE}
+        SELECT ri.provider_runner_id, {TIMED_OUT_SQL} AS timed_out, {CANCELLED_SQL} AS cancelled
+        {INTENT_ROWS_SQL} AND ri.provider_runner_id = ANY($4::text[])
          ORDER BY ri.provider_runner_id
         """,
         provisioner.workspace_id,
         provisioner.id,
-        provider_runner_ids,
         activation_timeout,
+        provider_runner_ids,
     )
     return tuple(
         HonoredIntent(
