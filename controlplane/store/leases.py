@@ -48,6 +48,31 @@ CANCEL_CHANNEL = "cp_cancel"
 
 _NO_CAPABILITIES = object()
 
+# One autocommitted statement, one round trip. $1 execution, $2 session, $3 whether to store
+# capabilities, $4 the capabilities (NULL clears them). The session update's WHERE depends on
+# `beat`, so the running row is updated (and locked) before the session row is touched, and the
+# session row is not touched at all when there is no lease. RETURNING old (PostgreSQL 18) gives
+# the capabilities as they were under the row lock.
+_HEARTBEAT = f"""
+WITH beat AS (
+    UPDATE running_jobs
+    SET first_heartbeat_at = COALESCE(first_heartbeat_at, now()), last_heartbeat_at = now()
+    WHERE job_execution_id = $1 AND runner_session_id = $2
+    RETURNING {IDENTITY_COLUMNS}, cancellation_requested_at
+), touched AS (
+    UPDATE runner_sessions
+    SET updated_at = now(),
+        tool_capabilities = CASE WHEN $3 THEN $4::jsonb ELSE tool_capabilities END,
+        tool_capabilities_reported_at = CASE
+            WHEN NOT $3 THEN tool_capabilities_reported_at
+            WHEN $4::jsonb IS NULL THEN NULL
+            ELSE now() END
+    WHERE id = $2 AND EXISTS (SELECT 1 FROM beat)
+    RETURNING old.tool_capabilities::text AS previous
+)
+SELECT beat.*, touched.previous FROM beat LEFT JOIN touched ON true
+"""
+
 
 async def heartbeat(
     conn: Conn,
@@ -61,47 +86,24 @@ async def heartbeat(
     explicit None clears it. Raises RunningJobExecutionNotFound, changing nothing, when the
     session holds no lease on the execution.
 
-    Locks: the running row (UPDATE), then the session row (SELECT ... FOR UPDATE, UPDATE).
+    Locks: the running row (UPDATE), then the session row (UPDATE), in one statement.
     """
-    async with conn.transaction():
-        row = await conn.fetchrow(
-            f"""
-            UPDATE running_jobs
-            SET first_heartbeat_at = COALESCE(first_heartbeat_at, now()), last_heartbeat_at = now()
-            WHERE job_execution_id = $1 AND runner_session_id = $2
-            RETURNING {IDENTITY_COLUMNS}, cancellation_requested_at
-            """,
-            job_execution_id,
-            runner_session_id,
-        )
-        if row is None:
-            raise RunningJobExecutionNotFound()
-        previous = await conn.fetchval(
-            "SELECT tool_capabilities::text FROM runner_sessions WHERE id = $1 FOR UPDATE",
-            runner_session_id,
-        )
-        if capabilities is _NO_CAPABILITIES:
-            await conn.execute(
-                "UPDATE runner_sessions SET updated_at = now() WHERE id = $1", runner_session_id
-            )
-            current = json_value(previous)
-        else:
-            await conn.execute(
-                """
-                UPDATE runner_sessions
-                SET tool_capabilities = $2::jsonb,
-                    tool_capabilities_reported_at = CASE WHEN $2 IS NULL THEN NULL ELSE now() END,
-                    updated_at = now()
-                WHERE id = $1
-                """,
-                runner_session_id,
-                None if capabilities is None else json_text(capabilities),
-            )
-            current = capabilities
+    setting = capabilities is not _NO_CAPABILITIES
+    row = await conn.fetchrow(
+        _HEARTBEAT,
+        job_execution_id,
+        runner_session_id,
+        setting,
+        json_text(capabilities) if setting and capabilities is not None else None,
+    )
+    if row is None:
+        raise RunningJobExecutionNotFound()
+    previous = json_value(row["previous"])
+    current = capabilities if setting else previous
     return HeartbeatResult(
         identity=identity(row),
         cancellation_requested=row["cancellation_requested_at"] is not None,
-        previous_capabilities=json_value(previous),
+        previous_capabilities=previous,
         current_capabilities=current,
     )
 
@@ -165,27 +167,25 @@ async def complete(
     already (an orchestrator cancel comes first and keeps its record).
 
     Locks: execution lock (blocking) -> pending row (orphan sweep) -> running row (delete) ->
-    tombstone -> events.
+    tombstone -> events; one transaction, each step a statement of its own (so each sees what
+    the previous lock holder committed).
     """
     if outcome == Outcome.EXPIRED:
         raise ValueError("a runner cannot complete with 'expired'")
-    async with conn.transaction():
-        await lock_executions(conn, [job_execution_id])
-        await conn.execute("DELETE FROM pending_jobs WHERE job_execution_id = $1", job_execution_id)
+    # cp_complete (sql/0009_complete_function.sql) runs these steps in this order: one round trip.
+    try:
         row = await conn.fetchrow(
-            f"""
-            DELETE FROM running_jobs WHERE job_execution_id = $1 AND runner_session_id = $2
-            RETURNING {IDENTITY_COLUMNS}, provisioner_id, provider_runner_id,
-                      cancellation_requested_at
-            """,
+            "SELECT * FROM cp_complete($1, $2, $3, $4, $5)",
+            locks.execution(job_execution_id),
             job_execution_id,
             runner_session_id,
+            str(outcome),
+            exit_code,
         )
-        if row is None:
-            raise RunningJobExecutionNotFound()
-        extra = {"ended_by": "runner", "exit_code": exit_code}
-        fresh = await _end(conn, [identity(row)], outcome, "runner", EventType.COMPLETED, extra)
-    return _ended_lease(row, fresh)
+    except asyncpg.NoDataFoundError as error:
+        raise RunningJobExecutionNotFound() from error
+    assert row is not None
+    return _ended_lease(row, {job_execution_id} if row["newly_ended"] else set())
 
 
 async def reconcile(

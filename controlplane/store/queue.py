@@ -295,7 +295,7 @@ WITH candidate AS MATERIALIZED (
                               'job_id', job_id, 'job_execution_id', job_execution_id,
                               'runner_session_id', $4::uuid, 'claimed_at', started_at)
     FROM leased
-    RETURNING pg_notify('{events.EVENTS_CHANNEL}', '')
+    RETURNING 1
 ), touched AS (
     UPDATE runner_sessions
     SET updated_at = now(),

@@ -263,7 +263,10 @@ async def _request_job(request: Request) -> Response:
     if wait == 0:
         async with borrow(svc.pool) as conn:
             job = await queue.claim(conn, session, liveness_throttle=svc.liveness_throttle)
-        return _nothing() if job is None else _job_response(svc, session, job)
+        if job is None:
+            return _nothing()
+        svc.signal_events()
+        return _job_response(svc, session, job)
     waiter = Waiter(session)
     svc.dispatcher.park(waiter)
     disconnected = await _park(request, waiter, wait)
@@ -284,6 +287,7 @@ async def _request_job(request: Request) -> Response:
             extra={"job_execution_id": str(job.identity.job_execution_id), "why": "disconnected"},
         )
         return _nothing()
+    svc.signal_events()  # its `job.claimed` event is committed
     return _job_response(svc, session, job)
 
 
@@ -339,6 +343,8 @@ async def complete(request: Request) -> Response:
             Outcome(body.outcome),
             body.exit_code,
         )
+    if ended.newly_ended:
+        svc.signal_events()  # its `job.completed` event is committed
     metrics.completed.labels(body.outcome).inc()
     log.info(
         "runner.completed",

@@ -79,6 +79,8 @@ class Services:
         self.signal_events()
 
     def signal_events(self) -> None:
-        """Wake event-feed long-polls (called by the listener on `cp_events`)."""
+        """Wake this replica's event-feed long-polls: called by the listener on `cp_events`
+        (rare events, from any replica) and after this replica's own claims and completions,
+        which do not NOTIFY (see store/events.py)."""
         self.events_changed.set()
         self.events_changed = anyio.Event()
