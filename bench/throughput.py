@@ -3,8 +3,9 @@
 A run pre-enqueues `jobs` executions, then lets `runners` concurrent workers take them until
 none is left; jobs/s is jobs divided by the time from the first request to the last completion.
 
-* http: real runners over real HTTP against two daemon processes: long-poll claim, one heartbeat,
-  complete (three requests per job);
+* http: runners over real HTTP against two daemon processes: long-poll claim, one heartbeat,
+  complete (three requests per job). Each runner is one keep-alive connection of the lean
+  client in bench/wire.py, so that the benchmark's own client takes little of the two cores;
 * sql: the same three steps as the store's own statements on direct asyncpg connections, with no
   HTTP, daemon or token work in between: the floor of what the database allows with our schema;
 * pgbench: TPC-B (`pgbench -c 10 -j 2 -T 10`) on the same server, for the machine's scale;
@@ -23,9 +24,8 @@ from typing import Any
 
 import anyio
 import asyncpg
-import httpx
 
-from bench import harness, peers
+from bench import harness, peers, wire
 from controlplane.domain.jobs import Outcome, SessionClaims
 from controlplane.store import credentials, leases, queue, sessions
 
@@ -78,38 +78,29 @@ async def sql_lifecycle(url: str, runners: int, jobs: int) -> float:
 
 
 async def lifecycle_runner(
-    client: httpx.AsyncClient, registration: str, stop: anyio.Event, on_done: Callable[[], None]
+    conn: wire.Connection, registration: str, stop: anyio.Event, on_done: Callable[[], None]
 ) -> None:
     """One runner: register, then claim (long poll), heartbeat once and complete until `stop`."""
-    response = await client.post(
-        "/v1/runners/register",
-        json={"labels": ["linux"]},
-        headers={"Authorization": f"Bearer {registration}"},
-    )
-    auth = {"Authorization": f"Bearer {response.json()['session_token']}"}
+    status, body = await conn.post("/v1/runners/register", registration, {"labels": ["linux"]})
+    assert status == 200, (status, body)
+    session = body["session_token"]
     while not stop.is_set():
-        try:
-            response = await client.post("/v1/runners/jobs/request?wait=1", headers=auth)
-        except httpx.TransportError:
+        status, body = await conn.post("/v1/runners/jobs/request?wait=1", session)
+        if status != 200:
             continue
-        if response.status_code != 200:
-            continue
-        body = response.json()
-        lease = {"Authorization": f"Bearer {body['lease_token']}"}
         path = f"/v1/runners/jobs/{body['job_execution_id']}"
-        beat = await client.post(f"{path}/heartbeat", headers=lease)
-        lease = {"Authorization": f"Bearer {beat.json()['lease_token']}"}
-        await client.post(f"{path}/complete", json={"outcome": "succeeded"}, headers=lease)
+        status, beat = await conn.post(f"{path}/heartbeat", body["lease_token"])
+        assert status == 200, (status, beat)
+        status, done = await conn.post(
+            f"{path}/complete", beat["lease_token"], {"outcome": "succeeded"}
+        )
+        assert status == 200, (status, done)
         on_done()
 
 
-def runner_clients(addresses: list[str], runners: int) -> list[httpx.AsyncClient]:
-    # One client (one connection) per runner, as real runners are: a single shared httpx pool
-    # scans all its connections on every request and made the client the bottleneck.
-    return [
-        httpx.AsyncClient(base_url=addresses[index % len(addresses)], timeout=60)
-        for index in range(runners)
-    ]
+def runner_clients(addresses: list[str], runners: int) -> list[wire.Connection]:
+    """One connection per runner, as real runners have, spread over the replicas."""
+    return [wire.Connection(addresses[index % len(addresses)]) for index in range(runners)]
 
 
 async def registration_token(url: str, workspace: uuid.UUID) -> str:
