@@ -3,18 +3,19 @@ that dies holding a lease.
 
 What each test holds to: every job ends exactly once (one tombstone, one terminal event), no job
 reaches two runners, nothing is left pending or running. Runners here behave like real ones:
-a transport error or a 5xx is retried, on another replica when theirs is gone.
-
-Not covered yet: provisioners (their WebSocket sessions moving to a surviving replica) wait for
-the provisioner work.
+a transport error or a 5xx is retried, on another replica when theirs is gone. The killed replica
+also holds a provisioner's WebSocket control session: the provisioner reconnects to the survivor,
+gets back exactly the grants it held, and is never granted more than its slots or its demand.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -24,9 +25,12 @@ import anyio
 import asyncpg
 import httpx
 import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
+from controlplane.store import provisioners
 from controlplane.store.embedded import EmbeddedPostgres
-from tests.system.conftest import SpawnDaemon
+from tests.system.conftest import DaemonProcess, SpawnDaemon
 from tests.system.wire import job_body, orchestrator_and_registration
 
 pytestmark = pytest.mark.system
@@ -86,7 +90,7 @@ class Ledger:
     lost_leases: list[str] = field(default_factory=list)
 
 
-# --- 1. SIGKILL a replica with parked runners and claims in flight ------------------------------
+# --- 1. SIGKILL a replica with parked runners, claims in flight and a provisioner session -------
 #
 # A claim that committed but never reached its runner is a window of microseconds, too narrow to
 # hit with a well-timed kill. We widen it: replica A connects as a role with synchronous_commit=on,
@@ -99,9 +103,13 @@ class Ledger:
 # A held commit also holds PostgreSQL's NOTIFY queue lock (taken before commit, released at the
 # end), so every notifying commit waits behind it, B's included: A must hold nothing but its
 # claims (its runners report through B), and the hold must be short (well below lock_timeout).
+# The one other thing A writes is the allocation rounds of the provisioner session it holds: that
+# provisioner serves a workspace of its own, whose demand is fully granted before the hold, so a
+# round held with A's commits notifies nothing and locks only that workspace's provisioning rows
+# (its fencing row, workspace lock and reservations), which nothing else wants until A is dead.
 
 # A claim deletes a pending row, inserts a running row and an event; a heartbeat touches no
-# pending row, a complete writes a tombstone.
+# pending row, a complete writes a tombstone; an allocation round writes no event.
 _HELD_CLAIMS = """
     SELECT count(*) FROM pg_stat_activity activity
     WHERE activity.usename = $1 AND activity.wait_event = 'SyncRep'
@@ -111,6 +119,20 @@ _HELD_CLAIMS = """
       AND NOT EXISTS (SELECT 1 FROM pg_locks l
                       WHERE l.pid = activity.pid AND l.database = activity.datid
                         AND l.relation = 'ended_executions'::regclass)
+"""
+
+# Allocation rounds for connected provisioners every 0.5 s, so "nothing more was granted" is
+# seen over several rounds within a second or two.
+FAST_ROUNDS = {"CONTROLPLANE_PROVISIONERS_DEMAND_SAFETY_TICK_SECONDS": "0.5"}
+ROUNDS_DONE = 'controlplane_allocation_rounds_total{outcome="ok"}'
+CONTROL_SESSIONS = "controlplane_provisioner_control_sessions"
+ABNORMAL_CLOSURE = 1006  # the socket went away without a close frame
+
+# One provisioner's live launch units beside its workspace's queued demand, in one snapshot.
+_UNITS_AND_QUEUED = """
+    SELECT (SELECT coalesce(sum(count), 0) FROM reservations
+             WHERE provisioner_id = $1 AND kind = 'launch' AND expires_at > now()) AS units,
+           (SELECT count(*) FROM pending_jobs WHERE workspace_id = $2) AS queued
 """
 
 
@@ -127,26 +149,117 @@ async def _hold_commits(admin: asyncpg.Connection, held: bool) -> None:
     await admin.execute("SELECT pg_reload_conf()")
 
 
-async def test_sigkill_replica_with_parked_runners_and_claims_in_flight(
+async def _metric(client: httpx.AsyncClient, sample: str) -> float:
+    """One sample of the replica's /metrics; 0 when absent (a labelled counter never counted)."""
+    for line in (await client.get("/metrics")).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == sample:
+            return float(value)
+    return 0.0
+
+
+async def _live_grants(conn: asyncpg.Connection, provisioner_id: uuid.UUID) -> dict[str, int]:
+    """The provisioner's live launch reservations: reservation id -> units."""
+    rows = await conn.fetch(
+        "SELECT id, count FROM reservations"
+        " WHERE provisioner_id = $1 AND kind = 'launch' AND expires_at > now()",
+        provisioner_id,
+    )
+    return {str(row["id"]): row["count"] for row in rows}
+
+
+def _by_reservation(grants: list[dict[str, Any]]) -> dict[str, int]:
+    return {grant["reservation_id"]: grant["count"] for grant in grants}
+
+
+@dataclass
+class ProvisionerClient:
+    """A provisioner holding its control session the way a real one does: hello, advertise, then
+    listen; when the socket goes away it reconnects to the next replica still running. It keeps
+    every welcome (with the replica that sent it) and the grants pushed in each session."""
+
+    token: str
+    templates: list[dict[str, Any]]
+    welcomes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    grants: list[list[dict[str, Any]]] = field(default_factory=list)  # one list per session
+    closes: list[int] = field(default_factory=list)  # close code of each session that ended
+    live_on: str | None = None  # the replica holding the session now
+
+    async def run(self, replicas: Sequence[DaemonProcess]) -> None:
+        for replica in itertools.cycle(replicas):
+            if replica.process.poll() is None:
+                with contextlib.suppress(OSError):  # refused: that replica is gone too
+                    await self._session(replica)
+            await anyio.sleep(0.1)  # reconnect backoff
+
+    async def _session(self, replica: DaemonProcess) -> None:
+        url = replica.address.replace("http://", "ws://", 1) + "/v1/provisioners/session"
+        async with connect(
+            url, additional_headers={"Authorization": f"Bearer {self.token}"}, close_timeout=2
+        ) as ws:
+            try:
+                await ws.send(
+                    json.dumps({"type": "hello", "protocol_version": 1, "request_id": "h"})
+                )
+                welcome = json.loads(await ws.recv())
+                assert welcome["type"] == "welcome", welcome
+                granted: list[dict[str, Any]] = []
+                self.welcomes.append((replica.address, welcome))
+                self.grants.append(granted)
+                self.live_on = replica.address
+                advertise = {
+                    "type": "advertise",
+                    "request_id": "a",
+                    "templates": self.templates,
+                    "max_reservations": 1000,
+                    "reservation_ttl_seconds": 600,
+                }
+                await ws.send(json.dumps(advertise))
+                async for frame in ws:
+                    message = json.loads(frame)
+                    if message["type"] == "demand":
+                        granted.extend(message["grants"])
+            except ConnectionClosed:
+                pass
+            finally:
+                self.live_on = None
+            self.closes.append(ws.close_code or ABNORMAL_CLOSURE)
+
+
+async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_session(
     database_url: str, embedded_server: EmbeddedPostgres, spawn_daemon: SpawnDaemon
 ) -> None:
-    workspace = uuid.uuid4()
+    workspace, fleet_workspace = uuid.uuid4(), uuid.uuid4()
     orchestrator, registration = await orchestrator_and_registration(database_url, workspace)
+    _, fleet_registration = await orchestrator_and_registration(database_url, fleet_workspace)
     total, per_replica, batch = 300, 20, 20
     kill_from = total // batch // 2 * batch  # hold A's commits from the batch that starts here
     jobs = [job_body(workspace) for _ in range(total)]
+    # The provisioner's workspace: `early` jobs granted while it is on A, `late` ones after it
+    # moved to B; together more than its slots, so the slots are what caps the last grants.
+    slots, early, late = 8, 5, 5
+    fleet_jobs = [job_body(fleet_workspace) for _ in range(early + late)]
     ledger = Ledger()
     sessions_on_a: set[str] = set()
+    over_grants: list[str] = []  # table snapshots with more units than slots or queued demand
+    snapshots = 0
     role = f"cp_replica_a_{uuid.uuid4().hex[:8]}"
     db = await asyncpg.connect(database_url)
+    watch_db = await asyncpg.connect(database_url)
     held = False
     try:
+        found, token = await provisioners.create(db, name="fleet", workspace_id=fleet_workspace)
+        fleet = ProvisionerClient(
+            token, [{"template_key": "k", "labels": ["linux"], "available_slots": slots}]
+        )
         await db.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
         await db.execute(f"ALTER ROLE {role} SET synchronous_commit = 'on'")
         async with (
-            # B first, so B leads maintenance: A must write nothing but claims.
-            spawn_daemon(**FAST_EXPIRY) as replica_b,
-            spawn_daemon(**FAST_EXPIRY, DATABASE_URL=_as_role(database_url, role)) as replica_a,
+            # B first, so B leads maintenance: A must write nothing but claims (and see above).
+            spawn_daemon(**FAST_EXPIRY, **FAST_ROUNDS) as replica_b,
+            spawn_daemon(
+                **FAST_EXPIRY, **FAST_ROUNDS, DATABASE_URL=_as_role(database_url, role)
+            ) as replica_a,
             httpx.AsyncClient(base_url=replica_a.address, timeout=30) as a,
             httpx.AsyncClient(base_url=replica_b.address, timeout=30) as b,
         ):
@@ -171,9 +284,9 @@ async def test_sigkill_replica_with_parked_runners_and_claims_in_flight(
                         return
                 ledger.completed.add(execution)
 
-            async def runner(home: httpx.AsyncClient) -> None:
+            async def runner(home: httpx.AsyncClient, token: str) -> None:
                 client = home
-                session, session_id = await _register(client, registration)
+                session, session_id = await _register(client, token)
                 if client is a:
                     sessions_on_a.add(session_id)
                 while True:
@@ -184,7 +297,7 @@ async def test_sigkill_replica_with_parked_runners_and_claims_in_flight(
                     except httpx.TransportError:
                         assert client is a, "replica B failed a request"
                         client = b
-                        session, _ = await _register(client, registration)
+                        session, _ = await _register(client, token)
                         continue
                     if response.status_code == 204:
                         continue
@@ -193,38 +306,99 @@ async def test_sigkill_replica_with_parked_runners_and_claims_in_flight(
                     ledger.deliveries[body["job_execution_id"]] += 1
                     await finish(body)
 
+            async def enqueue(chunk: list[dict[str, Any]]) -> None:
+                response = await b.post(
+                    "/v1/jobs", json={"jobs": chunk}, headers=_bearer(orchestrator)
+                )
+                assert response.status_code == 200, response.text
+                results = {r["result"] for r in response.json()["results"]}
+                assert results == {"enqueued"}, response.text
+
             async def pending_at_most(count: int) -> bool:
-                return bool(await db.fetchval("SELECT count(*) FROM pending_jobs") <= count)
+                return bool(
+                    await db.fetchval(
+                        "SELECT count(*) FROM pending_jobs WHERE workspace_id = $1", workspace
+                    )
+                    <= count
+                )
 
             async def claim_held() -> bool:
                 return bool(await db.fetchval(_HELD_CLAIMS, role) > 0)
+
+            # What the provisioner client saw when A was killed.
+            at_kill: list[tuple[str | None, int, dict[str, int]]] = []
 
             async def kill_a_when_a_claim_is_held() -> None:
                 nonlocal held
                 with anyio.fail_after(10):
                     await _poll(claim_held, interval=0.01)
+                at_kill.append(
+                    (fleet.live_on, len(fleet.welcomes), _by_reservation(fleet.grants[0]))
+                )
                 replica_a.process.kill()
                 await anyio.to_thread.run_sync(replica_a.process.wait)
                 await _hold_commits(db, False)
                 held = False
 
-            async def drained() -> bool:
+            async def drained(of: uuid.UUID, count: int) -> bool:
                 row = await db.fetchrow(
                     """
-                    SELECT (SELECT count(*) FROM ended_executions) AS ended,
-                           (SELECT count(*) FROM pending_jobs) AS pending,
-                           (SELECT count(*) FROM running_jobs) AS running
-                    """
+                    SELECT (SELECT count(*) FROM ended_executions WHERE workspace_id = $1) AS ended,
+                           (SELECT count(*) FROM pending_jobs WHERE workspace_id = $1) AS pending,
+                           (SELECT count(*) FROM running_jobs WHERE workspace_id = $1) AS running
+                    """,
+                    of,
                 )
                 assert row is not None
-                return (row["ended"], row["pending"], row["running"]) == (total, 0, 0)
+                return (row["ended"], row["pending"], row["running"]) == (count, 0, 0)
+
+            async def fleet_units(count: int) -> bool:
+                return sum((await _live_grants(db, found.id)).values()) == count
+
+            async def heard(count: int) -> bool:
+                return (
+                    len(fleet.grants) == 1
+                    and sum(_by_reservation(fleet.grants[0]).values()) == count
+                )
+
+            async def welcomed(count: int) -> bool:
+                return len(fleet.welcomes) == count
+
+            async def rounds_on_b(count: float) -> bool:
+                return await _metric(b, ROUNDS_DONE) >= count
+
+            async def watch_grants(scope: anyio.CancelScope) -> None:
+                """Every snapshot of the tables while the provisioner's demand only grows: its
+                units never exceed its slots nor its workspace's queued demand."""
+                nonlocal snapshots
+                with scope:
+                    while True:
+                        row = await watch_db.fetchrow(_UNITS_AND_QUEUED, found.id, fleet_workspace)
+                        assert row is not None
+                        if row["units"] > min(slots, row["queued"]):
+                            over_grants.append(f"{row['units']} units, {row['queued']} queued")
+                        snapshots += 1
+                        await anyio.sleep(0.05)
 
             async with anyio.create_task_group() as group:
-                for _ in range(per_replica):
-                    group.start_soon(runner, a)
-                    group.start_soon(runner, b)
+                watching = anyio.CancelScope()
+                group.start_soon(watch_grants, watching)
+                group.start_soon(fleet.run, [replica_a, replica_b])
                 with anyio.fail_after(20):
-                    while "controlplane_parked_runners 20.0" not in (await a.get("/metrics")).text:
+                    await _poll(lambda: welcomed(1))
+                    assert fleet.welcomes[0][0] == replica_a.address
+                    await enqueue(fleet_jobs[:early])
+                    # Granted on A, pushed to the client, and in the table.
+                    await _poll(lambda: heard(early))
+                    await _poll(lambda: fleet_units(early))
+                for _ in range(per_replica):
+                    group.start_soon(runner, a, registration)
+                    group.start_soon(runner, b, registration)
+                with anyio.fail_after(20):
+                    while not {
+                        "controlplane_parked_runners 20.0",
+                        f"{CONTROL_SESSIONS} 1.0",
+                    } <= set((await a.get("/metrics")).text.splitlines()):
                         await anyio.sleep(0.02)
                 with anyio.fail_after(90):
                     for start in range(0, total, batch):
@@ -235,22 +409,51 @@ async def test_sigkill_replica_with_parked_runners_and_claims_in_flight(
                                 held = True
                                 killing.start_soon(kill_a_when_a_claim_is_held)
                             # While A's claim is held this enqueue waits for the NOTIFY lock.
-                            response = await b.post(
-                                "/v1/jobs",
-                                json={"jobs": jobs[start : start + batch]},
-                                headers=_bearer(orchestrator),
-                            )
-                        assert response.status_code == 200, response.text
-                        results = {r["result"] for r in response.json()["results"]}
-                        assert results == {"enqueued"}, response.text
+                            await enqueue(jobs[start : start + batch])
                     assert replica_a.process.poll() is not None, "no claim of A was ever held"
-                    await _poll(drained, interval=0.1)
+                    await _poll(lambda: drained(workspace, total))
+
+                with anyio.fail_after(30):
+                    # The provisioner found B by itself, and B gave back what it held on A.
+                    await _poll(lambda: welcomed(2))
+                    assert at_kill == [(replica_a.address, 1, _by_reservation(fleet.grants[0]))]
+                    held_on_a = at_kill[0][2]
+                    assert sum(held_on_a.values()) == early
+                    assert fleet.closes == [ABNORMAL_CLOSURE], "A's session ended before the kill"
+                    address, welcome = fleet.welcomes[1]
+                    assert address == replica_b.address
+                    assert welcome["generation"] == fleet.welcomes[0][1]["generation"] + 1
+                    assert _by_reservation(welcome["outstanding"]) == held_on_a
+                    assert await _live_grants(db, found.id) == held_on_a
+                    assert await _metric(b, CONTROL_SESSIONS) == 1
+
+                    # New demand is granted on B up to the slots, and no further, over several
+                    # rounds after the last grant.
+                    await enqueue(fleet_jobs[early:])
+                    await _poll(lambda: fleet_units(slots))
+                    last_grant = await _metric(b, ROUNDS_DONE)
+                    await _poll(lambda: rounds_on_b(last_grant + 3))
+                    watching.cancel()
+                    live = await _live_grants(db, found.id)
+                    assert sum(live.values()) == slots
+                    assert sum(_by_reservation(fleet.grants[1]).values()) == slots - early
+                    pushed = [grant for session in fleet.grants for grant in session]
+                    assert len({g["reservation_id"] for g in pushed}) == len(pushed), (
+                        "a grant was pushed twice"
+                    )
+                    assert _by_reservation(pushed) == live
+
+                    # Its workspace's jobs are then run, like every other.
+                    for _ in range(2):
+                        group.start_soon(runner, b, fleet_registration)
+                    await _poll(lambda: drained(fleet_workspace, len(fleet_jobs)))
                 group.cancel_scope.cancel()
             assert replica_a.process.returncode == -9
             assert replica_b.process.poll() is None, "replica B died"
             assert (await b.get("/readyz")).status_code == 200
 
-        ids = {job["job_execution_id"] for job in jobs}
+        assert snapshots > 0 and not over_grants, f"over-granted: {over_grants}"
+        ids = {job["job_execution_id"] for job in [*jobs, *fleet_jobs]}
         assert not ledger.lost_leases, f"delivered leases lost: {ledger.lost_leases}"
         assert max(ledger.deliveries.values()) == 1, "a job reached two runners"
         assert set(ledger.deliveries) == ledger.completed
@@ -259,6 +462,7 @@ async def test_sigkill_replica_with_parked_runners_and_claims_in_flight(
         assert await _terminal_events(db) == Counter(ids), "not one terminal event per job"
         for execution in ledger.deliveries:
             assert ended[execution] == ("succeeded", "runner"), execution
+        assert {job["job_execution_id"] for job in fleet_jobs} <= set(ledger.deliveries)
         # What no runner received was claimed by A (committed, never answered) and expired.
         undelivered = ids - set(ledger.deliveries)
         assert undelivered, "the held claim of A was not left undelivered"
@@ -276,6 +480,7 @@ async def test_sigkill_replica_with_parked_runners_and_claims_in_flight(
     finally:
         if held:
             await _hold_commits(db, False)
+        await watch_db.close()
         await db.close()
         admin = await asyncpg.connect(database_url)
         try:
