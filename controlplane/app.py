@@ -34,7 +34,7 @@ from controlplane.actors.listener import Listener
 from controlplane.actors.maintenance import Leadership, Maintenance, Provisioning, Retention
 from controlplane.actors.provisioning import DemandBoard
 from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
-from controlplane.domain.labels import canonicalise
+from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.settings import Settings
 from controlplane.store import migrations, queue, reservations
 from controlplane.store.embedded import EmbeddedPostgres
@@ -58,6 +58,12 @@ class PoolClaims:
     async def claim(self, session: SessionClaims) -> ClaimedJob | None:
         async with borrow(self._pool) as conn:
             return await queue.claim(conn, session, liveness_throttle=self._throttle)
+
+    async def claim_batch(
+        self, workspace_id: UUID, labels: LabelSet, runner_session_ids: list[UUID]
+    ) -> dict[UUID, ClaimedJob]:
+        async with borrow(self._pool) as conn:
+            return await queue.claim_batch(conn, workspace_id, labels, runner_session_ids)
 
     async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None:
         async with borrow(self._pool) as conn:

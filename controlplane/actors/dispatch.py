@@ -11,12 +11,15 @@ Wake-ups, each coalesced into the actor's pending *hint* (the label sets of new 
 * a safety tick while waiters are parked, for notifications lost while the listener reconnected;
   after a reconnect the listener also wakes every actor.
 
-A pass walks the waiters in arrival order and claims, one transaction per matched waiter. A waiter
+A pass walks the waiters in arrival order and claims for them. A run of consecutive uncapped
+waiters with the same labels is served by one batch claim (one statement pairs the k-th oldest
+compatible job with the k-th waiter: the same FIFO outcome as claiming for each in turn, in one
+round trip instead of k); capped waiters (one-job runners) are claimed for one at a time. A waiter
 whose labels cannot match the hint is not tried; once a claim for label set L finds nothing, no
 waiter whose labels are a subset of L is tried again (it could only find less) until a wake-up
 says that work a subset of L could take may have arrived: a NOTIFY carrying labels R forgets
 every empty L with R a subset of L, a wake without labels and the safety tick forget them all.
-So a burst of N jobs reaches N waiters with about N claims, a runner re-polling an idle
+So a burst of N jobs reaches N waiters with about N/100 statements, a runner re-polling an idle
 workspace parks without touching the database, and an idle workspace costs only its tick (one
 claim per distinct label set).
 
@@ -49,7 +52,7 @@ from controlplane import metrics
 from controlplane.domain.jobs import ClaimedJob, SessionClaims
 from controlplane.domain.labels import LabelSet
 from controlplane.errors import ControlPlaneError, ShuttingDown, Unavailable
-from controlplane.store.queue import ProvisionedClaim
+from controlplane.store.queue import MAX_BATCH, ProvisionedClaim
 
 log = logging.getLogger("controlplane.dispatch")
 
@@ -60,6 +63,10 @@ _ALL = None  # a hint of None means: anything may have changed
 
 class ClaimStore(Protocol):
     async def claim(self, session: SessionClaims) -> ClaimedJob | None: ...
+
+    async def claim_batch(
+        self, workspace_id: UUID, labels: LabelSet, runner_session_ids: list[UUID]
+    ) -> dict[UUID, ClaimedJob]: ...
 
     async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None: ...
 
@@ -242,22 +249,78 @@ class WorkspaceActor:
         self._waiters = [w for w in self._waiters if w.state is WaiterState.WAITING]
         newcomers, self._new = self._new, []
         hint, self._hint = self._hint, set()
-        # Known empty at the start of this pass, plus what this pass finds empty.
-        exhausted = list(self._empty)
+        order: list[Waiter] = []
         if hint is _ALL or hint:
-            for waiter in list(self._waiters):
-                labels = waiter.session.labels
-                if _wanted(labels, hint) and not _covered(labels, exhausted):
-                    await self._try_and_remember(waiter, exhausted)
+            order = [w for w in self._waiters if _wanted(w.session.labels, hint)]
         for waiter in newcomers:
-            # Newcomers queue behind everyone already parked; each is tried once on arrival
-            # unless an equal-or-wider label set is known to be empty.
+            # Newcomers queue behind everyone already parked; each is tried once on arrival.
+            if waiter.state is WaiterState.WAITING:
+                self._waiters.append(waiter)
+                order.append(waiter)
+        await self._serve(order)
+        self._waiters = [w for w in self._waiters if w.state is WaiterState.WAITING]
+
+    async def _serve(self, order: list[Waiter]) -> None:
+        """Claim for `order`, in order. A run of consecutive uncapped waiters with the same labels
+        (distinct sessions) is served by one batch claim; capped ones one at a time. A waiter is
+        skipped when an equal-or-wider label set is known to be empty."""
+        exhausted = list(self._empty)  # known empty now, plus what this pass finds empty
+        run: list[Waiter] = []
+        for waiter in order:
+            if run and not self._joins(run, waiter):
+                await self._try_run(run, exhausted)
+                run = []
             if waiter.state is not WaiterState.WAITING:
                 continue
-            self._waiters.append(waiter)
-            if not _covered(waiter.session.labels, exhausted):
+            if _covered(waiter.session.labels, exhausted):
+                continue
+            if waiter.session.max_claims is None:
+                run.append(waiter)
+            else:
                 await self._try_and_remember(waiter, exhausted)
-        self._waiters = [w for w in self._waiters if w.state is WaiterState.WAITING]
+        if run:
+            await self._try_run(run, exhausted)
+
+    @staticmethod
+    def _joins(run: list[Waiter], waiter: Waiter) -> bool:
+        session = waiter.session
+        return (
+            session.max_claims is None
+            and session.labels == run[0].session.labels
+            and len(run) < MAX_BATCH
+            and all(w.session.runner_session_id != session.runner_session_id for w in run)
+        )
+
+    async def _try_run(self, run: list[Waiter], exhausted: list[LabelSet]) -> None:
+        """One claim for a run of waiters; the labels are exhausted when some found nothing."""
+        if len(run) == 1:
+            await self._try_and_remember(run[0], exhausted)
+            return
+        wakes = self._wakes
+        labels = run[0].session.labels
+        # Shielded, as in _try: every committed claim reaches its waiter or is put back.
+        with anyio.CancelScope(shield=True):
+            try:
+                jobs = await self._store.claim_batch(
+                    self.workspace_id, labels, [w.session.runner_session_id for w in run]
+                )
+            except Exception as error:  # a database fault must not kill the actor
+                log.warning("dispatch.claim_failed", extra={"error": repr(error)})
+                for waiter in run:
+                    waiter.fail(Unavailable("claim failed; retry"))
+                return
+            for waiter in run:
+                job = jobs.get(waiter.session.runner_session_id)
+                if job is None:
+                    continue
+                if waiter.deliver(job):
+                    _observe_claim(job)
+                else:
+                    await self._put_back(job, waiter)
+        if len(jobs) < len(run):
+            exhausted.append(labels)
+            if self._wakes == wakes and self._hint is not _ALL:
+                self._empty.append(labels)
 
     async def _try_and_remember(self, waiter: Waiter, exhausted: list[LabelSet]) -> bool:
         """`_try`; when it finds nothing, its labels are empty for the rest of this pass, and

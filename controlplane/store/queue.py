@@ -349,6 +349,98 @@ async def _claim_attempts(
     return None
 
 
+# The most sessions one batch claim serves (bounds the statement and the locks it holds).
+MAX_BATCH = 100
+
+# Claims for several uncapped sessions with the same labels in one statement: the batch form of
+# _CLAIM, pairing the k-th oldest compatible row with the k-th session. $1 workspace, $2 the
+# sessions' labels, $3 rows stepped over, $4 the sessions in the order they are served.
+# Rows whose execution lock is busy are skipped (not taken), and an orphan row is deleted without
+# a lease; either leaves a session of the batch unserved, and the caller tries again with those
+# rows stepped over. No liveness touch: the dispatcher stamps parked sessions in batches.
+_CLAIM_BATCH = f"""
+WITH wanted AS (
+    SELECT session_id, ord FROM unnest($4::uuid[]) WITH ORDINALITY AS t(session_id, ord)
+), candidate AS MATERIALIZED (
+    SELECT p.id, p.created_at, {_EXECUTION_TRY_LOCK} AS locked
+    FROM (SELECT id, job_execution_id, created_at FROM pending_jobs
+          WHERE workspace_id = $1 AND required_labels <@ $2::text[]
+            AND NOT (id = ANY($3::uuid[]))
+          ORDER BY created_at, id
+          LIMIT cardinality($4::uuid[])
+          FOR UPDATE SKIP LOCKED) AS p
+), chosen AS (
+    SELECT id, row_number() OVER (ORDER BY created_at, id) AS ord FROM candidate WHERE locked
+), taken AS (
+    DELETE FROM pending_jobs AS p USING chosen c WHERE p.id = c.id
+    RETURNING p.id, {", ".join(f"p.{c}" for c in IDENTITY_COLUMNS.split(", "))},
+              p.required_labels, p.payload, p.created_at, c.ord
+), leased AS (
+    INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id,
+        required_labels, runner_labels, payload, queued_at)
+    SELECT t.id, {", ".join(f"t.{c}" for c in IDENTITY_COLUMNS.split(", "))}, w.session_id,
+           t.required_labels, $2::text[], t.payload, t.created_at
+    FROM taken t JOIN wanted w ON w.ord = t.ord
+    ON CONFLICT (job_execution_id) DO NOTHING
+    RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
+              started_at
+), logged AS (
+    INSERT INTO events (event_type, workspace_id, job_execution_id, payload)
+    SELECT '{EventType.CLAIMED}', workspace_id, job_execution_id,
+           jsonb_build_object('workflow_run_id', workflow_run_id,
+                              'workflow_run_attempt_id', workflow_run_attempt_id,
+                              'job_id', job_id, 'job_execution_id', job_execution_id,
+                              'runner_session_id', runner_session_id, 'claimed_at', started_at)
+    FROM leased
+    RETURNING 1
+)
+SELECT c.id AS candidate, l.workspace_id, l.workflow_run_id, l.workflow_run_attempt_id,
+       l.job_id, l.job_execution_id, l.project_id, l.runner_session_id, l.required_labels,
+       l.payload::text AS payload, l.queued_at, l.started_at,
+       (SELECT count(*) FROM logged) AS logged
+FROM candidate c LEFT JOIN taken t ON t.id = c.id
+     LEFT JOIN leased l ON l.job_execution_id = t.job_execution_id
+"""
+
+
+async def claim_batch(
+    conn: Conn, workspace_id: UUID, labels: LabelSet, session_ids: Sequence[UUID]
+) -> dict[UUID, ClaimedJob]:
+    """Claim for several uncapped sessions of one workspace with the same `labels`: the oldest
+    compatible rows, the k-th oldest to the k-th session. Returns the claims by session; a
+    session without one found nothing (the queue has fewer compatible rows than sessions).
+
+    Same locks and order as `claim`'s attempt, for up to `MAX_BATCH` rows at once: the pending
+    rows FOR UPDATE SKIP LOCKED, then a try of each one's execution lock; a row whose lock is
+    busy (or an orphan) is stepped over and the unserved sessions try again, at most
+    `MAX_BUSY_HEADS` rows stepped over in all, as for one session. Each round is one
+    autocommitted statement. Capped and provisioned sessions must use `claim` (their cap and
+    reservation unit are per session).
+    """
+    if not labels:
+        return {}
+    waiting = list(session_ids)[:MAX_BATCH]
+    claimed: dict[UUID, ClaimedJob] = {}
+    stepped_over: list[UUID] = []
+    while waiting and len(stepped_over) <= MAX_BUSY_HEADS:
+        rows = await conn.fetch(_CLAIM_BATCH, workspace_id, list(labels), stepped_over, waiting)
+        for row in rows:
+            if row["job_execution_id"] is None:
+                stepped_over.append(row["candidate"])
+                continue
+            claimed[row["runner_session_id"]] = ClaimedJob(
+                identity=identity(row),
+                required_labels=tuple(row["required_labels"]),
+                payload=json_value(row["payload"]),
+                queued_at=row["queued_at"],
+                started_at=row["started_at"],
+            )
+        if len(rows) < len(waiting):
+            break  # fewer compatible rows than sessions: the rest find nothing
+        waiting = [session for session in waiting if session not in claimed]
+    return claimed
+
+
 async def put_back(conn: Conn, job_execution_id: UUID, runner_session_id: UUID) -> bool:
     """Return an undelivered claim to its original queue position. False when it cannot be.
 

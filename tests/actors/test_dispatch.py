@@ -36,6 +36,7 @@ class FakeStore:
         self.put_back_failures = 0
         self.claim_started = anyio.Event()
         self.touches: list[list[UUID]] = []
+        self.batches: list[int] = []  # sessions per batch claim
         self.before_empty_answer: Any = None  # awaited by a claim that is about to find nothing
 
     def add(self, labels: LabelSet) -> ClaimedJob:
@@ -62,6 +63,25 @@ class FakeStore:
             await late()
         return None
 
+    async def claim_batch(
+        self, workspace_id: UUID, labels: LabelSet, runner_session_ids: list[UUID]
+    ) -> dict[UUID, ClaimedJob]:
+        """One statement: the k-th oldest compatible job to the k-th session."""
+        assert workspace_id == WORKSPACE
+        assert len(set(runner_session_ids)) == len(runner_session_ids), "a session twice"
+        self.claims.append(labels)
+        self.batches.append(len(runner_session_ids))
+        self.claim_started.set()
+        await anyio.sleep(0.001)
+        claimed: dict[UUID, ClaimedJob] = {}
+        for session_id in runner_session_ids:
+            for index, (required, job) in enumerate(self.jobs):
+                if set(required) <= set(labels):
+                    del self.jobs[index]
+                    claimed[session_id] = job
+                    break
+        return claimed
+
     async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None:
         assert workspace_id == WORKSPACE
         self.touches.append(list(runner_session_ids))
@@ -86,7 +106,7 @@ async def _run(store: FakeStore, body: Any) -> None:
         group.cancel_scope.cancel()
 
 
-async def test_a_burst_reaches_every_waiter_in_arrival_order_with_one_claim_each() -> None:
+async def test_a_burst_reaches_every_waiter_in_arrival_order_with_one_batch_claim() -> None:
     store = FakeStore()
     waiters = [waiter("linux") for _ in range(5)]
 
@@ -101,7 +121,48 @@ async def test_a_burst_reaches_every_waiter_in_arrival_order_with_one_claim_each
             for each in waiters:
                 await each.done.wait()
         assert [each.job for each in waiters] == jobs
-        assert len(store.claims) == 5
+        assert store.claims == [("linux",)]
+        assert store.batches[-1] == 5
+
+    await _run(store, body)
+
+
+async def test_batches_break_at_other_labels_capped_waiters_and_a_repeated_session() -> None:
+    """Runs keep arrival order: a batch never mixes label sets, never holds a capped (one-job)
+    waiter, and never holds one session twice (it could not tell the two claims apart)."""
+    store = FakeStore()
+    twice = SessionClaims(uuid.uuid4(), WORKSPACE, ("linux",), None)
+    capped = Waiter(SessionClaims(uuid.uuid4(), WORKSPACE, ("linux",), 1))
+    order = [
+        waiter("linux"),
+        waiter("linux"),
+        waiter("linux", "x64"),
+        capped,
+        waiter("linux"),
+        Waiter(twice),
+        Waiter(twice),
+    ]
+
+    async def body(dispatcher: Dispatcher) -> None:
+        for each in order:
+            dispatcher.park(each)
+        await anyio.sleep(1)  # every newcomer is tried alone and finds nothing
+        store.claims.clear()
+        store.batches.clear()
+        jobs = [store.add(("linux",)) for _ in range(len(order))]
+        dispatcher.wake(WORKSPACE, None)
+        with anyio.fail_after(5):
+            for each in order:
+                await each.done.wait()
+        assert [each.job for each in order] == jobs  # FIFO jobs to waiters in arrival order
+        assert store.claims == [
+            ("linux",),  # the first two, batched
+            ("linux", "x64"),
+            ("linux",),  # the capped waiter alone (claim, not claim_batch)
+            ("linux",),  # the next linux waiter with the first use of `twice`
+            ("linux",),  # `twice` again, alone
+        ]
+        assert store.batches == [2, 2]
 
     await _run(store, body)
 
