@@ -26,6 +26,8 @@ load, and throughput as replicas are added.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import time
 import uuid
@@ -508,6 +510,17 @@ async def run(
             results["replicas"] = await replica_scaling(
                 server, replicas, REPLICA_RUNNERS, replica_jobs
             )
+    stamp = harness.machine()["measured_at"]
+    for part in results.values():
+        part["measured_at"] = stamp
+    if set(parts) != set(PARTS):
+        # A partial run keeps the other parts' figures from the last run, each with its own time.
+        with contextlib.suppress(OSError, ValueError):
+            earlier = json.loads((harness.RESULTS / "scale.json").read_text())
+            results = {
+                **{name: earlier[name] for name in PARTS if name in earlier},
+                **results,
+            }
     path = harness.write_result("scale", results)
     print(f"wrote {path}")
     return results
