@@ -277,6 +277,7 @@ class Daemon:
                 log_config=None,
                 access_log=False,
                 lifespan="off",
+                proxy_headers=False,  # nothing here reads the client address
                 timeout_graceful_shutdown=int(settings.server.shutdown_grace_seconds),
                 timeout_keep_alive=settings.server.keep_alive_seconds,
             )

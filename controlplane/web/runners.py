@@ -346,14 +346,15 @@ async def complete(request: Request) -> Response:
     if ended.newly_ended:
         svc.signal_events()  # its `job.completed` event is committed
     metrics.completed.labels(body.outcome).inc()
-    log.info(
-        "runner.completed",
-        extra={
-            "job_execution_id": str(lease.identity.job_execution_id),
-            "outcome": body.outcome,
-            "request_id": request.headers.get("x-request-id", str(uuid.uuid4())),
-        },
-    )
+    if log.isEnabledFor(logging.INFO):  # spares a random request id per job when not logged
+        log.info(
+            "runner.completed",
+            extra={
+                "job_execution_id": str(lease.identity.job_execution_id),
+                "outcome": body.outcome,
+                "request_id": request.headers.get("x-request-id", str(uuid.uuid4())),
+            },
+        )
     return json_response(CompleteResponse(recorded=ended.newly_ended))
 
 
