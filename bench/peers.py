@@ -182,13 +182,18 @@ def describe(concurrency: int, row: dict[str, Any]) -> str:
 
 
 async def run(jobs: int = JOBS, concurrency: tuple[int, ...] = CONCURRENCY) -> dict[str, Any]:
-    """Standalone: the peers beside our HTTP lifecycle (two replicas) and the SQL floor."""
+    """Standalone: the peers beside our HTTP lifecycle (one replica) and the SQL floor."""
     from bench import throughput
 
-    results: dict[str, Any] = {"jobs_per_run": jobs, "versions": versions(), "runs": {}}
+    results: dict[str, Any] = {
+        "jobs_per_run": jobs,
+        "replicas": throughput.REPLICAS,
+        "versions": versions(),
+        "runs": {},
+    }
     with harness.postgres() as server:
         url = await harness.fresh_database(server)
-        async with harness.replicas(url, 2) as started:
+        async with harness.replicas(url, throughput.REPLICAS) as started:
             addresses = [replica.address for replica in started]
             for size in concurrency:
                 sql = await throughput.sql_lifecycle(url, size, jobs)

@@ -60,20 +60,32 @@ def _throughput(result: dict[str, Any]) -> list[str]:
         "## Throughput (whole lifecycle: claim, one heartbeat, complete)",
         "",
         f"Machine: {_machine(result)}. {result['jobs_per_run']} jobs per run, pre-enqueued; "
-        "HTTP through two replicas; SQL on direct connections with the store's statements. "
-        f"Same-server pgbench TPC-B: {result['pgbench_tpcb_tps']} tps.",
+        f"HTTP through {_replicas(result)}; SQL on direct connections with the store's "
+        f"statements. Each figure is the median of {result.get('rounds', 1)} interleaved runs "
+        f"(their range in brackets). Same-server pgbench TPC-B: {result['pgbench_tpcb_tps']} tps.",
         "",
         "| runners | HTTP jobs/s | SQL jobs/s (baseline) | HTTP / SQL |",
         "|---:|---:|---:|---:|",
     ]
     for count, row in result["runs"].items():
         lines.append(
-            f"| {count} | {row['http_jobs_per_s']} | {row['sql_jobs_per_s']} | "
-            f"{row['http_to_sql']} |"
+            f"| {count} | {row['http_jobs_per_s']}{_range(row.get('http_rounds'))} | "
+            f"{row['sql_jobs_per_s']}{_range(row.get('sql_rounds'))} | {row['http_to_sql']} |"
         )
     if "peers" in result:
         lines += ["", *_peer_table(result["peers"], result["peers"]["by_concurrency"])]
     return [*lines, ""]
+
+
+def _replicas(result: dict[str, Any]) -> str:
+    count = result.get("replicas", 2)  # results recorded before the key existed used two
+    return "one replica" if count == 1 else f"{count} replicas"
+
+
+def _range(rounds: list[float] | None) -> str:
+    if not rounds or len(rounds) < 2:
+        return ""
+    return f" ({min(rounds):.0f}-{max(rounds):.0f})"
 
 
 def _peer_table(found: dict[str, Any], runs: dict[str, Any]) -> list[str]:
@@ -81,7 +93,8 @@ def _peer_table(found: dict[str, Any], runs: dict[str, Any]) -> list[str]:
     lines = [
         "Peers on the same server, no-op jobs, one job per fetch (pgqueuer `batch_size=1`; "
         "procrastinate fetches one job per sub-worker), worker concurrency = our runner count; "
-        f"our HTTP and SQL figures measured again just before them ({versions or 'none'}). "
+        "our HTTP and SQL figures measured again in the same rounds, each figure the median of "
+        f"its rounds ({versions or 'none'}). "
         "Targets: ours at least 3x procrastinate and at least 1x pgqueuer.",
         "",
         "| concurrency | peer | peer jobs/s | our HTTP jobs/s | ours / peer | "
@@ -103,8 +116,8 @@ def _peers(result: dict[str, Any]) -> list[str]:
     lines = [
         "## Peers (standalone run of bench/peers.py)",
         "",
-        f"Machine: {_machine(result)}. {result['jobs_per_run']} jobs per run; HTTP through two "
-        "replicas.",
+        f"Machine: {_machine(result)}. {result['jobs_per_run']} jobs per run; HTTP through "
+        f"{_replicas(result)}.",
         "",
     ]
     found = {"versions": result["versions"], "skipped": result.get("skipped", {})}

@@ -3,9 +3,11 @@
 A run pre-enqueues `jobs` executions, then lets `runners` concurrent workers take them until
 none is left; jobs/s is jobs divided by the time from the first request to the last completion.
 
-* http: runners over real HTTP against two daemon processes: long-poll claim, one heartbeat,
-  complete (three requests per job). Each runner is one keep-alive connection of the lean
-  client in bench/wire.py, so that the benchmark's own client takes little of the two cores;
+* http: runners over real HTTP against one daemon process: long-poll claim, one heartbeat,
+  complete (three requests per job). One replica, because a replica is one event loop on one
+  core and this machine has two, shared with PostgreSQL and the client (bench/scale.py measures
+  1, 2 and 3 replicas). Each runner is one keep-alive connection of the lean client in
+  bench/wire.py, so that the benchmark's own client takes little of the two cores;
 * sql: the same three steps as the store's own statements on direct asyncpg connections, with no
   HTTP, daemon or token work in between: the floor of what the database allows with our schema;
 * pgbench: TPC-B (`pgbench -c 10 -j 2 -T 10`) on the same server, for the machine's scale;
@@ -16,6 +18,7 @@ none is left; jobs/s is jobs divided by the time from the first request to the l
 from __future__ import annotations
 
 import re
+import statistics
 import time
 import uuid
 from collections.abc import Callable
@@ -30,7 +33,9 @@ from controlplane.domain.jobs import Outcome, SessionClaims
 from controlplane.store import credentials, leases, queue, sessions
 
 RUNNER_COUNTS = (10, 50, 200)
-JOBS = 3000
+JOBS = 6000
+REPLICAS = 1
+ROUNDS = 3  # each figure is the median of this many runs (single runs varied by a third)
 
 
 async def _fill(url: str, workspace: uuid.UUID, count: int) -> None:
@@ -158,45 +163,76 @@ async def run(
     jobs: int = JOBS,
     runner_counts: tuple[int, ...] = RUNNER_COUNTS,
     peer_concurrency: tuple[int, ...] = peers.CONCURRENCY,
+    rounds: int = ROUNDS,
 ) -> dict[str, Any]:
-    results: dict[str, Any] = {"jobs_per_run": jobs, "runs": {}}
+    results: dict[str, Any] = {
+        "jobs_per_run": jobs,
+        "replicas": REPLICAS,
+        "rounds": rounds,
+        "runs": {},
+    }
     with harness.postgres() as server:
         url = await harness.fresh_database(server)
         results["pgbench_tpcb_tps"] = await pgbench_tps(server)
         print(f"pgbench TPC-B: {results['pgbench_tpcb_tps']} tps")
-        async with harness.replicas(url, 2) as started:
+        async with harness.replicas(url, REPLICAS) as started:
             addresses = [replica.address for replica in started]
             for count in runner_counts:
-                sql = await sql_lifecycle(url, count, jobs)
-                http = await http_lifecycle(url, addresses, count, jobs)
+                sqls, https = [], []
+                for _ in range(rounds):  # interleaved, so a slow spell of the machine hits both
+                    sqls.append(await sql_lifecycle(url, count, jobs))
+                    https.append(await http_lifecycle(url, addresses, count, jobs))
+                sql, http = statistics.median(sqls), statistics.median(https)
                 results["runs"][str(count)] = {
                     "sql_jobs_per_s": round(sql, 1),
                     "http_jobs_per_s": round(http, 1),
                     "http_to_sql": round(http / sql, 2),
+                    "sql_rounds": [round(rate, 1) for rate in sqls],
+                    "http_rounds": [round(rate, 1) for rate in https],
                 }
                 print(
                     f"{count:>4} runners: sql {sql:.0f} jobs/s, http {http:.0f} jobs/s "
-                    f"({http / sql:.2f} of sql)"
+                    f"({http / sql:.2f} of sql; medians of {rounds}: "
+                    f"sql {_spread(sqls)}, http {_spread(https)})"
                 )
             if peer_concurrency:
-                results["peers"] = await _peers(server, url, addresses, jobs, peer_concurrency)
+                results["peers"] = await _peers(
+                    server, url, addresses, jobs, peer_concurrency, rounds
+                )
     path = harness.write_result("throughput", results)
     print(f"wrote {path}")
     return results
 
 
+def _spread(rates: list[float]) -> str:
+    return f"{min(rates):.0f}-{max(rates):.0f}"
+
+
 async def _peers(
-    server: str, url: str, addresses: list[str], jobs: int, concurrency: tuple[int, ...]
+    server: str,
+    url: str,
+    addresses: list[str],
+    jobs: int,
+    concurrency: tuple[int, ...],
+    rounds: int,
 ) -> dict[str, Any]:
     """procrastinate and pgqueuer on the same server, each beside our HTTP lifecycle and the SQL
-    floor measured again just before them, at the same concurrency."""
+    floor measured in the same rounds, at the same concurrency; medians of `rounds`."""
     found: dict[str, Any] = {"versions": peers.versions(), "skipped": {}, "by_concurrency": {}}
     for size in concurrency:
-        sql = await sql_lifecycle(url, size, jobs)
-        http = await http_lifecycle(url, addresses, size, jobs)
-        rates = await peers.measure(server, jobs, size)
-        found["skipped"].update(rates.pop("skipped"))
-        row = peers.compare(rates, http, sql)
+        sqls: list[float] = []
+        https: list[float] = []
+        peer_rates: dict[str, list[float]] = {}
+        for _ in range(rounds):
+            sqls.append(await sql_lifecycle(url, size, jobs))
+            https.append(await http_lifecycle(url, addresses, size, jobs))
+            rates = await peers.measure(server, jobs, size)
+            found["skipped"].update(rates.pop("skipped"))
+            for peer, rate in rates.items():
+                peer_rates.setdefault(peer, []).append(rate)
+        medians = {peer: statistics.median(values) for peer, values in peer_rates.items()}
+        row = peers.compare(medians, statistics.median(https), statistics.median(sqls))
+        row["rounds"] = {"sql": sqls, "http": https, **peer_rates}
         found["by_concurrency"][str(size)] = row
         print(peers.describe(size, row))
     return found
