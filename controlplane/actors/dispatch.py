@@ -251,7 +251,15 @@ class WorkspaceActor:
         hint, self._hint = self._hint, set()
         order: list[Waiter] = []
         if hint is _ALL or hint:
-            order = [w for w in self._waiters if _wanted(w.session.labels, hint)]
+            # Decided once per label set: a pass over 1,000 waiters with a few label sets costs
+            # dictionary lookups, not 1,000 set comparisons.
+            wanted: dict[LabelSet, bool] = {}
+            for waiter in self._waiters:
+                labels = waiter.session.labels
+                if labels not in wanted:
+                    wanted[labels] = _wanted(labels, hint)
+                if wanted[labels]:
+                    order.append(waiter)
         for waiter in newcomers:
             # Newcomers queue behind everyone already parked; each is tried once on arrival.
             if waiter.state is WaiterState.WAITING:
@@ -265,31 +273,36 @@ class WorkspaceActor:
         (distinct sessions) is served by one batch claim; capped ones one at a time. A waiter is
         skipped when an equal-or-wider label set is known to be empty."""
         exhausted = list(self._empty)  # known empty now, plus what this pass finds empty
+        covered: dict[LabelSet, bool] = {}  # _covered by label set, while `exhausted` holds
+        known = len(exhausted)
         run: list[Waiter] = []
+        sessions: set[UUID] = set()  # the run's sessions
         for waiter in order:
-            if run and not self._joins(run, waiter):
+            session = waiter.session
+            if run and not (
+                session.max_claims is None
+                and session.labels == run[0].session.labels
+                and len(run) < MAX_BATCH
+                and session.runner_session_id not in sessions
+            ):
                 await self._try_run(run, exhausted)
-                run = []
+                run, sessions = [], set()
             if waiter.state is not WaiterState.WAITING:
                 continue
-            if _covered(waiter.session.labels, exhausted):
+            if len(exhausted) != known:
+                covered, known = {}, len(exhausted)
+            labels = session.labels
+            if labels not in covered:
+                covered[labels] = _covered(labels, exhausted)
+            if covered[labels]:
                 continue
-            if waiter.session.max_claims is None:
+            if session.max_claims is None:
                 run.append(waiter)
+                sessions.add(session.runner_session_id)
             else:
                 await self._try_and_remember(waiter, exhausted)
         if run:
             await self._try_run(run, exhausted)
-
-    @staticmethod
-    def _joins(run: list[Waiter], waiter: Waiter) -> bool:
-        session = waiter.session
-        return (
-            session.max_claims is None
-            and session.labels == run[0].session.labels
-            and len(run) < MAX_BATCH
-            and all(w.session.runner_session_id != session.runner_session_id for w in run)
-        )
 
     async def _try_run(self, run: list[Waiter], exhausted: list[LabelSet]) -> None:
         """One claim for a run of waiters; the labels are exhausted when some found nothing."""

@@ -167,6 +167,23 @@ async def test_batches_break_at_other_labels_capped_waiters_and_a_repeated_sessi
     await _run(store, body)
 
 
+async def test_labels_found_empty_mid_pass_skip_the_later_waiters_they_cover() -> None:
+    """Arrival order linux, linux+x64, linux: once the first two come up empty, the third is
+    covered (its labels are a subset of an empty set) and costs no claim in the same pass."""
+    store = FakeStore()
+
+    async def body(dispatcher: Dispatcher) -> None:
+        for each in (waiter("linux"), waiter("linux", "x64"), waiter("linux")):
+            dispatcher.park(each)
+        await anyio.sleep(1)
+        store.claims.clear()
+        dispatcher.wake(WORKSPACE, None)  # "anything may have changed", and nothing did
+        await anyio.sleep(1)
+        assert store.claims == [("linux",), ("linux", "x64")]
+
+    await _run(store, body)
+
+
 async def test_a_wake_for_other_labels_costs_no_claims_for_these_waiters() -> None:
     store = FakeStore()
     linux = [waiter("linux") for _ in range(3)]
