@@ -17,7 +17,7 @@ import anyio
 import asyncpg
 import httpx
 
-from bench import harness
+from bench import harness, wire
 from controlplane.store import credentials, queue
 
 SAMPLES = 200
@@ -69,42 +69,38 @@ async def measure(url: str, addresses: list[str], runners: int, samples: int) ->
     _, registration = await credentials.create_manual_token(
         conn, workspace_id=workspace, name="bench"
     )
-    limits = httpx.Limits(max_connections=runners + 50, max_keepalive_connections=runners + 50)
-    clients = [
-        httpx.AsyncClient(base_url=address, timeout=120, limits=limits) for address in addresses
-    ]
+    # /metrics only; each runner has a keep-alive connection of its own (bench/wire.py), as real
+    # runners do: one httpx pool shared by 500 runners scanned its connections on every request.
+    clients = [httpx.AsyncClient(base_url=address, timeout=120) for address in addresses]
     arrivals: dict[uuid.UUID, tuple[anyio.Event, list[float]]] = {}
     latencies: list[float] = []
 
-    async def runner(client: httpx.AsyncClient) -> None:
-        response = await client.post(
-            "/v1/runners/register",
-            json={"labels": ["linux"]},
-            headers={"Authorization": f"Bearer {registration}"},
-        )
-        auth = {"Authorization": f"Bearer {response.json()['session_token']}"}
-        while True:
-            try:
-                response = await client.post("/v1/runners/jobs/request?wait=50", headers=auth)
-            except httpx.TransportError:
-                continue  # a kept-alive connection the server closed: ask again, as runners do
-            if response.status_code != 200:
-                continue
-            now = time.perf_counter()
-            body = response.json()
-            event, stamp = arrivals[uuid.UUID(body["job_execution_id"])]
-            stamp.append(now)
-            event.set()
-            await client.post(
-                f"/v1/runners/jobs/{body['job_execution_id']}/complete",
-                json={"outcome": "succeeded"},
-                headers={"Authorization": f"Bearer {body['lease_token']}"},
-            )
+    async def runner(address: str) -> None:
+        conn = wire.Connection(address)
+        status, body = await conn.post("/v1/runners/register", registration, {"labels": ["linux"]})
+        assert status == 200, (status, body)
+        session = body["session_token"]
+        try:
+            while True:
+                try:
+                    status, body = await conn.post("/v1/runners/jobs/request?wait=50", session)
+                except (wire.Closed, ConnectionError):
+                    continue  # the server closed the kept-alive connection: ask again
+                if status != 200:
+                    continue
+                now = time.perf_counter()
+                event, stamp = arrivals[uuid.UUID(body["job_execution_id"])]
+                stamp.append(now)
+                event.set()
+                path = f"/v1/runners/jobs/{body['job_execution_id']}/complete"
+                await conn.post(path, body["lease_token"], {"outcome": "succeeded"})
+        finally:
+            await conn.aclose()
 
     try:
         async with anyio.create_task_group() as group:
             for index in range(runners):
-                group.start_soon(runner, clients[index % len(clients)])
+                group.start_soon(runner, addresses[index % len(addresses)])
             with anyio.fail_after(120):
                 while await _parked(clients) < runners:
                     await anyio.sleep(0.2)
