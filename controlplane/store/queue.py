@@ -417,9 +417,13 @@ async def claim_batch(
     autocommitted statement. Capped and provisioned sessions must use `claim` (their cap and
     reservation unit are per session).
     """
+    waiting = list(session_ids)
+    if len(waiting) > MAX_BATCH or len(set(waiting)) != len(waiting):
+        # One session twice could not tell its claims apart (one would be leased, never
+        # delivered); more than MAX_BATCH would be silently cut short.
+        raise ValueError("claim_batch takes at most MAX_BATCH distinct sessions")
     if not labels:
         return {}
-    waiting = list(session_ids)[:MAX_BATCH]
     claimed: dict[UUID, ClaimedJob] = {}
     stepped_over: list[UUID] = []
     while waiting and len(stepped_over) <= MAX_BUSY_HEADS:

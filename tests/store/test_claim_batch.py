@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from uuid import UUID
 
+import pytest
+
 from controlplane.domain.jobs import SessionClaims
 from controlplane.store import locks, queue
 from controlplane.store.pool import Conn
@@ -112,3 +114,19 @@ async def test_an_orphan_is_dropped_without_a_lease_and_the_session_served_from_
     assert await running_row(conn, orphan.identity.job_execution_id) == before
     assert await pending_ids(conn, workspace) == []
     assert len(await claimed_events(conn, workspace)) == events_before + 1
+
+
+async def test_a_session_twice_or_too_many_sessions_is_refused_and_changes_nothing(
+    conn: Conn, workspace: UUID
+) -> None:
+    job = new_job(workspace)
+    await enqueue(conn, job)
+    runner = await manual_session(conn, workspace)
+    twice = [runner.runner_session_id, runner.runner_session_id]
+    too_many = [(await manual_session(conn, workspace)).runner_session_id for _ in range(101)]
+
+    for session_ids in (twice, too_many):
+        with pytest.raises(ValueError, match="distinct sessions"):
+            await queue.claim_batch(conn, workspace, runner.labels, session_ids)
+
+    assert await pending_ids(conn, workspace) == [job.identity.job_execution_id]
