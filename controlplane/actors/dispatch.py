@@ -306,6 +306,9 @@ class WorkspaceActor:
 
     async def _try_run(self, run: list[Waiter], exhausted: list[LabelSet]) -> None:
         """One claim for a run of waiters; the labels are exhausted when some found nothing."""
+        run = [w for w in run if w.state is WaiterState.WAITING]  # gone while earlier runs ran
+        if not run:
+            return
         if len(run) == 1:
             await self._try_and_remember(run[0], exhausted)
             return

@@ -414,8 +414,9 @@ async def claim_batch(
     rows FOR UPDATE SKIP LOCKED, then a try of each one's execution lock; a row whose lock is
     busy (or an orphan) is stepped over and the unserved sessions try again, at most
     `MAX_BUSY_HEADS` rows stepped over in all, as for one session. Each round is one
-    autocommitted statement. Capped and provisioned sessions must use `claim` (their cap and
-    reservation unit are per session).
+    autocommitted statement, so when a retry round fails the claims of the rounds before it
+    (committed) are returned rather than lost to an exception. Capped and provisioned sessions
+    must use `claim` (their cap and reservation unit are per session).
     """
     waiting = list(session_ids)
     if len(waiting) > MAX_BATCH or len(set(waiting)) != len(waiting):
@@ -427,7 +428,12 @@ async def claim_batch(
     claimed: dict[UUID, ClaimedJob] = {}
     stepped_over: list[UUID] = []
     while waiting and len(stepped_over) <= MAX_BUSY_HEADS:
-        rows = await conn.fetch(_CLAIM_BATCH, workspace_id, list(labels), stepped_over, waiting)
+        try:
+            rows = await conn.fetch(_CLAIM_BATCH, workspace_id, list(labels), stepped_over, waiting)
+        except Exception:
+            if claimed:
+                break  # earlier rounds committed: their claims must still reach their sessions
+            raise
         for row in rows:
             if row["job_execution_id"] is None:
                 stepped_over.append(row["candidate"])
