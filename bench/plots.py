@@ -36,23 +36,44 @@ def _save(figure: Any, path: Path) -> None:
     _pyplot().close(figure)
 
 
+def _grouped(
+    path: Path,
+    groups: list[str],
+    series: dict[str, list[float]],
+    labels: tuple[str, str, str],
+    lines: list[tuple[float, str, str]],
+) -> None:
+    """Bars for each series side by side in each group; `lines` are (y, label, style) rules;
+    `labels` are the x label, the y label and the title."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(6.4, 3.6))
+    width = 0.8 / len(series)
+    for index, (name, values) in enumerate(series.items()):
+        offset = (index - (len(series) - 1) / 2) * width
+        axes.bar([i + offset for i in range(len(groups))], values, width, label=name)
+    for y, label, style in lines:
+        axes.axhline(y, color="grey" if style == "--" else "red", linestyle=style, label=label)
+    axes.set_xticks(list(range(len(groups))), groups)
+    axes.set_xlabel(labels[0])
+    axes.set_ylabel(labels[1])
+    axes.set_title(labels[2])
+    _save(figure, path)
+
+
 def _latency(
     result: dict[str, Any], path: Path, x_label: str, title: str, target_ms: float
 ) -> None:
-    plt = _pyplot()
     sizes = list(result["sizes"])
-    base = result["baseline_insert_notify_listen"]
-    figure, axes = plt.subplots(figsize=(6.4, 3.6))
-    x = range(len(sizes))
-    axes.bar([i - 0.2 for i in x], [result["sizes"][s]["p50_ms"] for s in sizes], 0.4, label="p50")
-    axes.bar([i + 0.2 for i in x], [result["sizes"][s]["p99_ms"] for s in sizes], 0.4, label="p99")
-    axes.axhline(base["p99_ms"], color="grey", linestyle="--", label="baseline p99")
-    axes.axhline(target_ms, color="red", linestyle=":", label=f"target p99 {target_ms:g} ms")
-    axes.set_xticks(list(x), sizes)
-    axes.set_xlabel(x_label)
-    axes.set_ylabel("ms")
-    axes.set_title(title)
-    _save(figure, path)
+    _grouped(
+        path,
+        sizes,
+        {q: [result["sizes"][s][f"{q}_ms"] for s in sizes] for q in ("p50", "p99")},
+        (x_label, "ms", title),
+        [
+            (result["baseline_insert_notify_listen"]["p99_ms"], "baseline p99", "--"),
+            (target_ms, f"target p99 {target_ms:g} ms", ":"),
+        ],
+    )
 
 
 def dispatch(result: dict[str, Any], path: Path) -> None:
@@ -64,52 +85,38 @@ def demand(result: dict[str, Any], path: Path) -> None:
 
 
 def throughput(result: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
     runs = result["runs"]
     counts = list(runs)
-    figure, axes = plt.subplots(figsize=(6.4, 3.6))
-    x = range(len(counts))
-    axes.bar([i - 0.2 for i in x], [runs[c]["http_jobs_per_s"] for c in counts], 0.4, label="HTTP")
-    axes.bar(
-        [i + 0.2 for i in x],
-        [runs[c]["sql_jobs_per_s"] for c in counts],
-        0.4,
-        label="raw SQL (baseline)",
+    _grouped(
+        path,
+        counts,
+        {
+            "HTTP": [runs[c]["http_jobs_per_s"] for c in counts],
+            "raw SQL (baseline)": [runs[c]["sql_jobs_per_s"] for c in counts],
+        },
+        ("concurrent runners", "jobs/s", "Whole lifecycle (claim, heartbeat, complete)"),
+        [(1000, "target 1,000 jobs/s", "--")],
     )
-    axes.axhline(1000, color="grey", linestyle="--", label="target 1,000 jobs/s")
-    axes.set_xticks(list(x), counts)
-    axes.set_xlabel("concurrent runners")
-    axes.set_ylabel("jobs/s")
-    axes.set_title("Whole lifecycle (claim, heartbeat, complete)")
-    _save(figure, path)
 
 
 def peers(result: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
     runs = result["peers"]["by_concurrency"] if "peers" in result else {}
     if not runs:
         return
     sizes = list(runs)
-    names = ["ours (HTTP)", "raw SQL", *sorted({p for row in runs.values() for p in row["peers"]})]
-    figure, axes = plt.subplots(figsize=(6.4, 3.6))
-    width = 0.8 / len(names)
-    for index, name in enumerate(names):
-        values = []
-        for size in sizes:
-            row = runs[size]
-            if name == "ours (HTTP)":
-                values.append(row["http_jobs_per_s"])
-            elif name == "raw SQL":
-                values.append(row["sql_jobs_per_s"])
-            else:
-                values.append(row["peers"].get(name, {}).get("jobs_per_s", 0))
-        axes.bar([i + (index - (len(names) - 1) / 2) * width for i in range(len(sizes))],
-                 values, width, label=name)  # fmt: skip
-    axes.set_xticks(list(range(len(sizes))), sizes)
-    axes.set_xlabel("concurrency")
-    axes.set_ylabel("jobs/s")
-    axes.set_title("Against the peers, same server, no-op jobs")
-    _save(figure, path)
+    series = {
+        "ours (HTTP)": [runs[size]["http_jobs_per_s"] for size in sizes],
+        "raw SQL": [runs[size]["sql_jobs_per_s"] for size in sizes],
+    }
+    for name in sorted({peer for row in runs.values() for peer in row["peers"]}):
+        series[name] = [runs[size]["peers"].get(name, {}).get("jobs_per_s", 0) for size in sizes]
+    _grouped(
+        path,
+        sizes,
+        series,
+        ("concurrency", "jobs/s", "Against the peers, same server, no-op jobs"),
+        [],
+    )
 
 
 def replicas(result: dict[str, Any], path: Path) -> None:

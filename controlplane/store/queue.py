@@ -266,6 +266,19 @@ async def claim(
     raise RunnerSessionExhausted()
 
 
+# The `job.claimed` event of each new lease, as a CTE of the claim statements: `leased` returns
+# the identity columns, runner_session_id and started_at.
+_LOGGED = f"""logged AS (
+    INSERT INTO events (event_type, workspace_id, job_execution_id, payload)
+    SELECT '{EventType.CLAIMED}', workspace_id, job_execution_id,
+           jsonb_build_object('workflow_run_id', workflow_run_id,
+                              'workflow_run_attempt_id', workflow_run_attempt_id,
+                              'job_id', job_id, 'job_execution_id', job_execution_id,
+                              'runner_session_id', runner_session_id, 'claimed_at', started_at)
+    FROM leased
+    RETURNING 1
+)"""
+
 # One claim attempt in one statement. $1 workspace, $2 session labels, $3 rows stepped over,
 # $4 session, $5/$6 provisioned link, $7 liveness throttle, $8 capped.
 _CLAIM = f"""
@@ -286,17 +299,9 @@ WITH candidate AS MATERIALIZED (
     SELECT id, {IDENTITY_COLUMNS}, $4, $5, $6, required_labels, $2::text[], payload, created_at
     FROM taken
     ON CONFLICT (job_execution_id) DO NOTHING
-    RETURNING {IDENTITY_COLUMNS}, required_labels, payload, queued_at, started_at
-), logged AS (
-    INSERT INTO events (event_type, workspace_id, job_execution_id, payload)
-    SELECT '{EventType.CLAIMED}', workspace_id, job_execution_id,
-           jsonb_build_object('workflow_run_id', workflow_run_id,
-                              'workflow_run_attempt_id', workflow_run_attempt_id,
-                              'job_id', job_id, 'job_execution_id', job_execution_id,
-                              'runner_session_id', $4::uuid, 'claimed_at', started_at)
-    FROM leased
-    RETURNING 1
-), touched AS (
+    RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
+              started_at
+), {_LOGGED}, touched AS (
     UPDATE runner_sessions
     SET updated_at = now(),
         claims_used = claims_used + CASE WHEN $8 THEN (SELECT count(*) FROM leased)::int ELSE 0 END
@@ -384,16 +389,7 @@ WITH wanted AS (
     ON CONFLICT (job_execution_id) DO NOTHING
     RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
               started_at
-), logged AS (
-    INSERT INTO events (event_type, workspace_id, job_execution_id, payload)
-    SELECT '{EventType.CLAIMED}', workspace_id, job_execution_id,
-           jsonb_build_object('workflow_run_id', workflow_run_id,
-                              'workflow_run_attempt_id', workflow_run_attempt_id,
-                              'job_id', job_id, 'job_execution_id', job_execution_id,
-                              'runner_session_id', runner_session_id, 'claimed_at', started_at)
-    FROM leased
-    RETURNING 1
-)
+), {_LOGGED}
 SELECT c.id AS candidate, l.workspace_id, l.workflow_run_id, l.workflow_run_attempt_id,
        l.job_id, l.job_execution_id, l.project_id, l.runner_session_id, l.required_labels,
        l.payload::text AS payload, l.queued_at, l.started_at,
