@@ -327,16 +327,10 @@ class WorkspaceActor:
                 return
             for waiter in run:
                 job = jobs.get(waiter.session.runner_session_id)
-                if job is None:
-                    continue
-                if waiter.deliver(job):
-                    _observe_claim(job)
-                else:
-                    await self._put_back(job, waiter)
+                if job is not None:
+                    await self._hand_over(job, waiter)
         if len(jobs) < len(run):
-            exhausted.append(labels)
-            if self._wakes == wakes and self._hint is not _ALL:
-                self._empty.append(labels)
+            self._found_empty(labels, wakes, exhausted)
 
     async def _try_and_remember(self, waiter: Waiter, exhausted: list[LabelSet]) -> bool:
         """`_try`; when it finds nothing, its labels are empty for the rest of this pass, and
@@ -345,11 +339,14 @@ class WorkspaceActor:
         wakes = self._wakes
         if await self._try(waiter):
             return True
-        labels = waiter.session.labels
+        self._found_empty(waiter.session.labels, wakes, exhausted)
+        return False
+
+    def _found_empty(self, labels: LabelSet, wakes: int, exhausted: list[LabelSet]) -> None:
+        """A claim for `labels`, started when `self._wakes` was `wakes`, found nothing."""
         exhausted.append(labels)
         if self._wakes == wakes and self._hint is not _ALL:
             self._empty.append(labels)
-        return False
 
     async def _try(self, waiter: Waiter) -> bool:
         """Claim for one waiter. True when a job was found (delivered or put back)."""
@@ -369,14 +366,15 @@ class WorkspaceActor:
                 return True
             if job is None:
                 return False
-            if not waiter.deliver(job):
-                await self._put_back(job, waiter)
-            else:
-                _observe_claim(job)
+            await self._hand_over(job, waiter)
         return True
 
-    async def _put_back(self, job: ClaimedJob, waiter: Waiter) -> None:
-        await put_back(self._store, job, waiter.session.runner_session_id)
+    async def _hand_over(self, job: ClaimedJob, waiter: Waiter) -> None:
+        """Deliver a committed claim, or put it back when its waiter stopped waiting."""
+        if waiter.deliver(job):
+            _observe_claim(job)
+        else:
+            await put_back(self._store, job, waiter.session.runner_session_id)
 
 
 class Dispatcher:
