@@ -121,6 +121,16 @@ _HELD_CLAIMS = """
                         AND l.relation = 'ended_executions'::regclass)
 """
 
+# The SIGKILL test's expiry: its runners are tasks of this test process, forty of them beside two
+# replicas and PostgreSQL on two cores, and a delivered job's first heartbeat can lag its claim by
+# seconds when a core is busy. A grace well above that lag keeps delivered leases alive; the
+# claims A took and never answered still expire within the test's budget.
+KILL_EXPIRY = {
+    **FAST_EXPIRY,
+    "CONTROLPLANE_RUNNERS_NO_FIRST_HEARTBEAT_GRACE_SECONDS": "10",
+    "CONTROLPLANE_RUNNERS_STALE_LEASE_THRESHOLD_SECONDS": "20",
+}
+
 # Allocation rounds for connected provisioners every 0.5 s, so "nothing more was granted" is
 # seen over several rounds within a second or two.
 FAST_ROUNDS = {"CONTROLPLANE_PROVISIONERS_DEMAND_SAFETY_TICK_SECONDS": "0.5"}
@@ -256,9 +266,9 @@ async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_sess
         await db.execute(f"ALTER ROLE {role} SET synchronous_commit = 'on'")
         async with (
             # B first, so B leads maintenance: A must write nothing but claims (and see above).
-            spawn_daemon(**FAST_EXPIRY, **FAST_ROUNDS) as replica_b,
+            spawn_daemon(**KILL_EXPIRY, **FAST_ROUNDS) as replica_b,
             spawn_daemon(
-                **FAST_EXPIRY, **FAST_ROUNDS, DATABASE_URL=_as_role(database_url, role)
+                **KILL_EXPIRY, **FAST_ROUNDS, DATABASE_URL=_as_role(database_url, role)
             ) as replica_a,
             httpx.AsyncClient(base_url=replica_a.address, timeout=30) as a,
             httpx.AsyncClient(base_url=replica_b.address, timeout=30) as b,
@@ -710,9 +720,11 @@ async def test_runner_killed_mid_job_lease_expires_once_and_replay_is_ended(
         **FAST_EXPIRY,
         "CONTROLPLANE_RUNNERS_STALE_LEASE_THRESHOLD_SECONDS": str(threshold),
     }
-    # silent: heartbeats once, then dies. mute: dies before its first heartbeat. alive: keeps
-    # heartbeating past the threshold and completes.
-    roles = ("silent", "mute", "alive")
+    # alive: keeps heartbeating past the threshold and completes. mute: dies before its first
+    # heartbeat. silent: heartbeats once, then dies. Silent's one heartbeat comes after alive's
+    # claim, so the reaper pass that expires silent runs after alive would have been stale had it
+    # not heartbeated: that pass, not a guess about the clock, proves a heartbeat keeps a lease.
+    roles = ("alive", "mute", "silent")
     jobs = {role: job_body(workspace) for role in roles}
     db = await asyncpg.connect(database_url)
     try:
@@ -772,7 +784,8 @@ async def test_runner_killed_mid_job_lease_expires_once_and_replay_is_ended(
                     assert beat.status_code == 200, beat.text
                     with anyio.move_on_after(1):
                         await _poll(both_expired, interval=0.1)
-            # Past the threshold since its claim, the heartbeating lease is still there.
+            # Past the threshold since its claim (silent's expiry came later), the heartbeating
+            # lease is still there.
             alive_since = await db.fetchval(
                 "SELECT now() - started_at FROM running_jobs WHERE job_execution_id = $1",
                 uuid.UUID(jobs["alive"]["job_execution_id"]),

@@ -98,18 +98,45 @@ async def _units(db: asyncpg.Connection) -> int:
     return units
 
 
-async def _settled(db: asyncpg.Connection, at_least: int, quiet: float = 5.0) -> int:
-    """Until at least `at_least` units are reserved and the figure has not moved for `quiet`
-    seconds (more than two safety ticks); the figure."""
-    units, since = -1, anyio.current_time()
-    with anyio.fail_after(90):
+ROUNDS_DONE = 'controlplane_allocation_rounds_total{outcome="ok"}'
+
+
+async def _rounds(replica: httpx.AsyncClient) -> float:
+    """Allocation rounds the replica's provisioner actors have finished."""
+    for line in (await replica.get("/metrics")).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == ROUNDS_DONE:
+            return float(value)
+    return 0.0
+
+
+async def _settled(db: asyncpg.Connection, replicas: list[httpx.AsyncClient], at_least: int) -> int:
+    """Until at least `at_least` units are reserved and two whole allocation rounds on every
+    replica left the figure where it was: granting has stopped because nothing is left to grant,
+    not because a round was slow. The figure."""
+    with anyio.fail_after(120):
         while True:
-            now_units = await _units(db)
-            if now_units != units:
-                units, since = now_units, anyio.current_time()
-            elif units >= at_least and anyio.current_time() - since >= quiet:
+            units = await _units(db)
+            start = [await _rounds(replica) for replica in replicas]
+            for replica, before in zip(replicas, start, strict=True):
+                # A round in progress now may have read the tables before `units`: wait for it
+                # and one more that starts after.
+                while await _rounds(replica) < before + 2:
+                    await anyio.sleep(0.05)
+            if units >= at_least and await _units(db) == units:
                 return units
-            await anyio.sleep(0.1)
+
+
+async def _pushed_all(db: asyncpg.Connection, fleets: list[Fleet]) -> None:
+    """Until every reservation in the table has reached its provisioner's socket: a grant is
+    pushed after the round that made it commits."""
+    with anyio.fail_after(30):
+        while True:
+            rows = await db.fetch("SELECT id FROM reservations")
+            pushed = {g["reservation_id"] for f in fleets for g in f.grants}
+            if {str(row["id"]) for row in rows} <= pushed:
+                return
+            await anyio.sleep(0.05)
 
 
 async def _provisioner_id(db: asyncpg.Connection, raw: str) -> uuid.UUID:
@@ -145,6 +172,7 @@ async def test_two_replicas_two_installation_provisioners_500_jobs_audit(
         async with (
             spawn_daemon() as replica_a,
             spawn_daemon() as replica_b,
+            httpx.AsyncClient(base_url=replica_a.address, timeout=30) as a,
             httpx.AsyncClient(base_url=replica_b.address, timeout=30) as b,
             anyio.create_task_group() as group,
         ):
@@ -155,7 +183,8 @@ async def test_two_replicas_two_installation_provisioners_500_jobs_audit(
                     await anyio.sleep(0.05)
             await _enqueue(b, f"Bearer {orchestrator}", jobs)
             # Capacity (430 slots) is below demand (500); wait until granting has stopped.
-            await _settled(db, 1)
+            await _settled(db, [a, b], 1)
+            await _pushed_all(db, fleets)
             group.cancel_scope.cancel()
 
         queued = Counter(
@@ -210,13 +239,15 @@ async def test_sigkill_replica_holding_the_socket_provisioner_moves_on(
         async with (
             spawn_daemon() as replica_a,
             spawn_daemon() as replica_b,
+            httpx.AsyncClient(base_url=replica_a.address, timeout=30) as a,
             httpx.AsyncClient(base_url=replica_b.address, timeout=30) as b,
         ):
             key = f"Bearer {orchestrator}"
             async with anyio.create_task_group() as group:
                 group.start_soon(fleet.serve, replica_a)
                 await _enqueue(b, key, [job_body(workspace) for _ in range(5)])
-                assert await _settled(db, 5, quiet=0) == 5
+                assert await _settled(db, [a], 5) == 5
+                await _pushed_all(db, [fleet])
                 replica_a.signal(signal.SIGKILL)
             before = {g["reservation_id"]: g["count"] for g in fleet.grants}
             assert sum(before.values()) == 5
@@ -229,7 +260,8 @@ async def test_sigkill_replica_holding_the_socket_provisioner_moves_on(
                 # Its grants continue: all five units are still its own, outstanding.
                 assert {g["reservation_id"]: g["count"] for g in fleet.outstanding} == before
                 await _enqueue(b, key, [job_body(workspace) for _ in range(3)])
-                assert await _settled(db, 8) == 8  # quiet over two safety ticks
+                assert await _settled(db, [b], 8) == 8
+                await _pushed_all(db, [fleet])
                 group.cancel_scope.cancel()
         rows = await db.fetch("SELECT id, count FROM reservations WHERE expires_at > now()")
         assert sum(row["count"] for row in rows) == 8
