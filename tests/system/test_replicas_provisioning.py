@@ -216,8 +216,8 @@ async def test_two_replicas_two_installation_provisioners_500_jobs_audit(
         assert pushed == {str(row["id"]): row["count"] for row in rows}
         # Nothing left idle that could serve: provisioner "a" (linux+x64 only) is full, or
         # every group it could serve is fully reserved.
-        a = await _provisioner_id(db, fleets[0].token)
-        assert by_provisioner[a] == fleets[0].slots or all(
+        big = await _provisioner_id(db, fleets[0].token)
+        assert by_provisioner[big] == fleets[0].slots or all(
             reserved[key] == count
             for key, count in queued.items()
             if set(key[1]) <= {"linux", "x64"}
