@@ -125,6 +125,12 @@ async def _enqueue_key(api: Api, _db: asyncpg.Connection) -> Request:
     return "POST", "/v1/jobs", {"json": body, "headers": api.auth(api.orchestrator_key)}
 
 
+async def _enqueue_odd_key(api: Api, _db: asyncpg.Connection) -> Request:
+    job = api.job(payload={"env": {"my key:1": f"a{NUL}"}})
+    body = {"jobs": [job]}
+    return "POST", "/v1/jobs", {"json": body, "headers": api.auth(api.orchestrator_key)}
+
+
 async def _register_tool(api: Api, _db: asyncpg.Connection) -> Request:
     body = {"labels": ["linux"], "capabilities": _tools("make", f"g{NUL}cc")}
     headers = api.auth(api.registration_token)
@@ -163,6 +169,7 @@ async def _provider_runner(api: Api, db: asyncpg.Connection) -> Request:
 NUL_CASES: list[tuple[str, Build, str, str]] = [
     ("enqueue-payload-value", _enqueue_value, "body.jobs[1].payload.env.FOO", "strings"),
     ("enqueue-payload-key", _enqueue_key, "body.jobs[0].payload.env", "object keys"),
+    ("enqueue-quoted-key", _enqueue_odd_key, 'body.jobs[0].payload.env["my key:1"]', "strings"),
     ("register-tool", _register_tool, "body.capabilities.harnesses.bash.tools[1]", "strings"),
     ("heartbeat-tool", _heartbeat_tool, "body.capabilities.harnesses.bash.tools[0]", "strings"),
     ("exchange-token", _exchange_token, "body.bootstrap_token", "strings"),
