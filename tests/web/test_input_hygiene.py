@@ -484,3 +484,17 @@ def test_property_the_depth_check_is_exact_for_json(value: Any, limit: int) -> N
         return 0
 
     assert edge.too_deep(msgspec.json.encode(value), limit) == (depth(value) > limit)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(WITH_NUL)
+async def test_property_a_payload_with_nul_anywhere_is_400_never_500(api: Api, value: Any) -> None:
+    response = await api.enqueue(api.job(payload={"p": value}))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "validation-error"
+    assert error["details"]["field"].startswith("body.jobs[0].payload")
