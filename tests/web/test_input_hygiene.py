@@ -498,3 +498,22 @@ async def test_property_a_payload_with_nul_anywhere_is_400_never_500(api: Api, v
     error = response.json()["error"]
     assert error["code"] == "validation-error"
     assert error["details"]["field"].startswith("body.jobs[0].payload")
+
+
+# -- signed tokens ------------------------------------------------------------------------
+
+
+async def test_a_forged_token_with_deeply_nested_claims_is_401(api: Api) -> None:
+    """Claims are parsed only once their signature holds: a forged body is never decoded, so
+    nesting in it cannot reach the parser (it was RecursionError, 500)."""
+    session = await api.register()
+    kid = session.removeprefix("cp_rs_").split(".")[0]
+    depth = 1400
+    claims = base64.urlsafe_b64encode(_nested(depth).encode()).decode().rstrip("=")
+    forged = f"cp_rs_{kid}.{claims}.{'A' * 43}"
+    assert len(forged) <= 4096
+    response = await on_kept_connection(
+        api, "POST", "/v1/runners/jobs/request?wait=0", headers=api.auth(forged)
+    )
+    assert response.status_code == 401, response.text
+    assert response.json()["error"]["code"] == "unauthorized"
