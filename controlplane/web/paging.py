@@ -20,6 +20,9 @@ from controlplane.web.edge import query_integer, query_value
 T = TypeVar("T")
 
 PAGE_QUERY = ("limit", "cursor")
+# Ours are about 120 characters. A longer one is not ours, and is refused before its JSON is
+# parsed, so no cursor can nest deep enough to exhaust the parser's stack.
+_MAX_CURSOR_LENGTH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,14 +43,18 @@ def page_of(request: Request) -> Page:
     cursor = query_value(request, "cursor", code="invalid-cursor")
     if cursor is None:
         return Page(limit, None)
+    if len(cursor) > _MAX_CURSOR_LENGTH:
+        raise _not_ours()
     created_at, row_id = decode_cursor(cursor)
     try:
         created_at.astimezone(UTC)  # what the driver does; year 1 east of UTC overflows
     except OverflowError as error:
-        raise InvalidInput(
-            "cursor is not one this server gave", code="invalid-cursor", field="cursor"
-        ) from error
+        raise _not_ours() from error
     return Page(limit, (created_at, row_id))
+
+
+def _not_ours() -> InvalidInput:
+    return InvalidInput("cursor is not one this server gave", code="invalid-cursor", field="cursor")
 
 
 def cut(

@@ -320,16 +320,22 @@ async def test_an_integer_query_value_is_ascii_digits_in_range(
         assert error["details"] == {"field": name}
 
 
-async def test_a_paging_cursor_whose_time_has_no_utc_value_is_invalid_cursor(
+async def test_a_paging_cursor_with_no_utc_time_or_deep_json_is_invalid_cursor(
     api: Api, db: asyncpg.Connection
 ) -> None:
     raw = json.dumps({"created_at": "0001-01-01T00:00:00+14:00", "id": str(uuid.uuid4())})
-    cursor = base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
-    error = await refused_unchanged(
-        api, db, "GET", "/v1/admin/api-keys", params={"cursor": cursor},
-        headers=api.auth(api.admin_key),
-    )  # fmt: skip
-    assert error["code"] == "invalid-cursor"
+    deep = _nested(3000)  # the cursor's JSON is parsed by the standard library, recursively
+    for text in (raw, deep):
+        cursor = base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+        error = await refused_unchanged(
+            api, db, "GET", "/v1/admin/api-keys", params={"cursor": cursor},
+            headers=api.auth(api.admin_key),
+        )  # fmt: skip
+        assert error == {
+            "code": "invalid-cursor",
+            "message": "cursor is not one this server gave",
+            "details": {"field": "cursor"},
+        }
 
 
 # Every query parameter of every route, with the code its malformed values get.
