@@ -36,6 +36,9 @@ class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65_535)] = 8080
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
+    # Arrays and objects nested in one request body or control-session frame, the job payload
+    # included. The ceiling keeps every decoder well inside Python's recursion limit.
+    max_json_depth: Annotated[int, msgspec.Meta(ge=8, le=256)] = 64
     shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0, le=600)] = 10.0
     keep_alive_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 75
 

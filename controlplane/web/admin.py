@@ -27,6 +27,7 @@ from controlplane.web.edge import (
     query_integer,
     query_only,
     query_uuid,
+    query_value,
     read_json,
 )
 from controlplane.web.idempotency import create_once, revoke_once
@@ -228,7 +229,7 @@ async def active_runners(request: Request) -> Response:
 
 
 def _choice(request: Request, name: str, allowed: tuple[str, ...]) -> str | None:
-    raw = request.query_params.get(name)
+    raw = query_value(request, name)
     if raw is not None and raw not in allowed:
         raise InvalidInput(f"query {name} must be one of {', '.join(allowed)}", field=name)
     return raw
@@ -274,7 +275,7 @@ async def runner_instances(request: Request) -> Response:
     query_only(request, *_INSTANCE_QUERY)
     state = _choice(request, "state", _STATES)
     assignment = _choice(request, "assignment", ("assigned", "unassigned"))
-    label = request.query_params.get("label")
+    label = query_value(request, "label")
     if label is not None:
         if (problem := label_error(label)) is not None:
             raise InvalidInput(f"query label: {problem}", field="label")

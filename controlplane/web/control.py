@@ -24,11 +24,11 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from controlplane.actors.control import LocalSession
 from controlplane.actors.provisioning import Fenced, Limits, ProvisionerActor
 from controlplane.domain.demand import Reservation
-from controlplane.errors import ControlPlaneError, Unauthorized, Unavailable
+from controlplane.errors import ControlPlaneError, InvalidInput, Unauthorized, Unavailable
 from controlplane.store import provisioner_sessions, reservations
 from controlplane.store.provisioner_sessions import Fence
 from controlplane.store.provisioners import Provisioner
-from controlplane.web import auth
+from controlplane.web import auth, edge
 from controlplane.web import control_requests as handlers
 from controlplane.web.errors import DATABASE_FAULTS
 from controlplane.web.services import Services
@@ -206,12 +206,14 @@ class _Conversation:
             frame = message.get("text")
             if frame is None:
                 return Close(BAD_FRAME, "frames must be JSON text")
-            if len(frame) > MAX_FRAME_BYTES or len(frame.encode()) > MAX_FRAME_BYTES:
+            if len(frame) > MAX_FRAME_BYTES:
                 return Close(TOO_BIG, f"frame exceeds {MAX_FRAME_BYTES} bytes")
-            try:
-                decoded = wire.decode_client(frame)
-            except msgspec.DecodeError as error:
-                return Close(BAD_FRAME, str(error))
+            text = frame.encode()
+            if len(text) > MAX_FRAME_BYTES:
+                return Close(TOO_BIG, f"frame exceeds {MAX_FRAME_BYTES} bytes")
+            decoded = self._decode(text)
+            if isinstance(decoded, Close):
+                return decoded
             if self.local is None:
                 if not isinstance(decoded, wire.Hello):
                     return Close(HELLO_FIRST, "hello expected first")
@@ -225,6 +227,19 @@ class _Conversation:
                 await self._request(decoded)
             except Fenced as error:
                 return Close(*_FENCE_CLOSE[error.verdict])
+
+    def _decode(self, text: bytes) -> wire.ClientMessage | Close:
+        """A frame refused by the input rules of the edge (too deep, NUL, a time with no UTC
+        value) or by the schema closes 4400, like any malformed frame, and changes nothing."""
+        try:
+            edge.screen(text, self.svc.settings.server.max_json_depth, where="frame")
+            decoded = wire.decode_client(text)
+            edge.screen_decoded(decoded, text, where="frame")
+        except InvalidInput as error:
+            return Close(BAD_FRAME, error.message)
+        except msgspec.DecodeError as error:
+            return Close(BAD_FRAME, str(error))
+        return decoded
 
     async def _hello(self, hello: wire.Hello) -> Close | None:
         if hello.protocol_version != wire.PROTOCOL_VERSION:

@@ -23,12 +23,35 @@ from controlplane.web.edge import (
     query_integer,
     query_number,
     query_uuid,
+    query_value,
     read_json,
 )
 from controlplane.web.services import Services
 from controlplane.wire import orchestrator as wire
 
 _EVENT_RECHECK_SECONDS = 0.25
+# A cursor's parts as PostgreSQL types them: the transaction id is xid8 (unsigned 64-bit), the
+# sequence bigint (signed 64-bit). Checked here, so a larger one is 400, not a failed query.
+_XID8_MAX = 2**64 - 1
+_BIGINT_MAX = 2**63 - 1
+
+
+def _event_cursor(request: Request) -> tuple[int, int]:
+    """`after`: absent is the start of the feed; empty, malformed or out of range is 400."""
+    raw = query_value(request, "after", code="invalid-cursor")
+    if raw is None:
+        return (0, 0)
+    try:
+        xid, seq = events.parse_cursor(raw)
+    except ValueError as error:
+        raise InvalidInput(str(error), field="after", code="invalid-cursor") from error
+    if xid > _XID8_MAX or seq > _BIGINT_MAX:
+        raise InvalidInput(
+            f"a cursor's parts are at most {_XID8_MAX}.{_BIGINT_MAX}",
+            field="after",
+            code="invalid-cursor",
+        )
+    return (xid, seq)
 
 
 def _new_job(job: wire.EnqueueJob, max_payload: int, index: int) -> NewJob:
@@ -147,10 +170,7 @@ async def read_events(request: Request) -> Response:
     """Events after `after` (a cursor), oldest first; with `wait`, held until some arrive."""
     svc = auth.services(request)
     key = await auth.api_key(request, "orchestrator")
-    try:
-        after = events.parse_cursor(request.query_params.get("after"))
-    except ValueError as error:
-        raise InvalidInput(str(error), field="after", code="invalid-cursor") from error
+    after = _event_cursor(request)
     workspace = query_uuid(request, "workspace_id")
     if workspace is None:
         workspace = key.workspace_id

@@ -7,18 +7,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TypeVar
 from uuid import UUID
 
 from starlette.requests import Request
 
 from controlplane.domain.fleet import decode_cursor, encode_cursor
-from controlplane.web.edge import query_integer
+from controlplane.errors import InvalidInput
+from controlplane.web.edge import query_integer, query_value
 
 T = TypeVar("T")
 
 PAGE_QUERY = ("limit", "cursor")
+# Ours are about 120 characters. A longer one is not ours, and is refused before its JSON is
+# parsed, so no cursor can nest deep enough to exhaust the parser's stack.
+_MAX_CURSOR_LENGTH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +40,21 @@ def page_of(request: Request) -> Page:
     """A bad `limit` is `validation-error`; a cursor we did not give, the empty string included,
     is `invalid-cursor`."""
     limit = query_integer(request, "limit", low=1, high=100, default=50)
-    cursor = request.query_params.get("cursor")
-    return Page(limit, None if cursor is None else decode_cursor(cursor))
+    cursor = query_value(request, "cursor", code="invalid-cursor")
+    if cursor is None:
+        return Page(limit, None)
+    if len(cursor) > _MAX_CURSOR_LENGTH:
+        raise _not_ours()
+    created_at, row_id = decode_cursor(cursor)
+    try:
+        created_at.astimezone(UTC)  # what the driver does; year 1 east of UTC overflows
+    except OverflowError as error:
+        raise _not_ours() from error
+    return Page(limit, (created_at, row_id))
+
+
+def _not_ours() -> InvalidInput:
+    return InvalidInput("cursor is not one this server gave", code="invalid-cursor", field="cursor")
 
 
 def cut(

@@ -24,7 +24,7 @@ from controlplane.errors import InvalidInput, RunnerLabelsReserved
 from controlplane.store import fleet, runner_instances
 from controlplane.web import auth
 from controlplane.web.edge import hold as hold_until
-from controlplane.web.edge import json_response, query_integer, read_json
+from controlplane.web.edge import json_response, query_integer, query_only, read_json
 from controlplane.web.services import Services
 from controlplane.wire.runner_control import (
     ActivationResponse,
@@ -206,12 +206,10 @@ async def await_activation(
 
 async def assignment(request: Request) -> Response:
     svc = auth.services(request)
-    if unknown := sorted(set(request.query_params) - {"wait_seconds"}):
-        raise InvalidInput(f"unknown query parameter {unknown[0]}", field=unknown[0])
+    query_only(request, "wait_seconds")
     cap = svc.settings.provisioners.assignment_poll_max_wait_seconds
-    raw = request.query_params.get("wait_seconds")
     requested = None
-    if raw is not None:
+    if "wait_seconds" in request.query_params:
         requested = query_integer(request, "wait_seconds", low=1, high=_WAIT_QUERY_HIGH, default=1)
     session = await auth.control_session(request)
     ttl = timedelta(seconds=svc.settings.provisioners.activation_token_ttl_seconds)
