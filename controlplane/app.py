@@ -84,6 +84,8 @@ def pool_settings(settings: Settings, url: str) -> PoolSettings:
         max_size=db.pool_max_size,
         statement_timeout_ms=db.statement_timeout_ms,
         lock_timeout_ms=db.lock_timeout_ms,
+        acquire_timeout_seconds=db.acquire_timeout_seconds,
+        command_timeout_seconds=db.command_timeout_seconds,
     )
 
 
