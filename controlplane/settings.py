@@ -99,6 +99,19 @@ class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ephemeral_token_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 7
 
 
+class Events(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Held (long-poll) event-feed reads."""
+
+    held_reads_per_key: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 100
+    recheck_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=60)] = 0.25
+
+
+class Health(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """/readyz and /metrics, which answer without a credential."""
+
+    refresh_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=60)] = 1.0
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     database: Database = msgspec.field(default_factory=Database)
     server: Server = msgspec.field(default_factory=Server)
@@ -106,6 +119,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     runners: Runners = msgspec.field(default_factory=Runners)
     maintenance: Maintenance = msgspec.field(default_factory=Maintenance)
     provisioners: Provisioners = msgspec.field(default_factory=Provisioners)
+    events: Events = msgspec.field(default_factory=Events)
+    health: Health = msgspec.field(default_factory=Health)
 
     @property
     def reserved_labels(self) -> LabelSet:
