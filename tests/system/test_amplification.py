@@ -28,7 +28,7 @@ RECHECK_SECONDS = 0.25  # events.recheck_seconds, default
 REFRESH_SECONDS = 1.0  # health.refresh_seconds, default
 HELD_READS = 40
 FEED_READ = "($3::uuid IS NULL OR workspace_id = $3)"  # store/events.py read()
-ANY_FEED_STATEMENT = "FROM events"
+ANY_FEED_STATEMENT = "pg_snapshot_xmin(pg_current_snapshot())"  # every feed read or check
 QUEUE_DEPTH = "count(*) FROM pending_jobs"  # store/queries.py depth()
 MIGRATIONS_APPLIED = "FROM schema_migrations"  # store/migrations.py applied()
 

@@ -114,11 +114,14 @@ async def test_a_hung_database_answers_503_database_unavailable_and_the_daemon_r
 
             # Readiness says so without hanging either; liveness is untouched.
             with anyio.fail_after(30):
-                while (await _readiness(http)).json()["checks"] != {
-                    "database": "unreachable: TimeoutError",
-                    "migrations": "unknown",
-                    "listener": "disconnected",
-                }:
+                while True:
+                    checks = (await _readiness(http)).json()["checks"]
+                    if (
+                        checks["database"].startswith("unreachable")
+                        and checks["migrations"] == "unknown"
+                        and checks["listener"] == "disconnected"
+                    ):
+                        break
                     await anyio.sleep(0.05)
             assert (await http.get("/healthz")).status_code == 200
             # The long-lived connections gave up on their hung sessions.
