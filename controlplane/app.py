@@ -30,6 +30,7 @@ from controlplane import metrics
 from controlplane.actors.cancels import CancelBoard
 from controlplane.actors.control import ControlSessions
 from controlplane.actors.dispatch import Dispatcher
+from controlplane.actors.feed import FeedWatch
 from controlplane.actors.listener import Listener
 from controlplane.actors.maintenance import Leadership, Maintenance, Provisioning, Retention
 from controlplane.actors.provisioning import DemandBoard
@@ -43,7 +44,7 @@ from controlplane.store.leases import CANCEL_CHANNEL
 from controlplane.store.pool import PoolSettings, borrow, connect, create_pool
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
 from controlplane.web import app as web_app
-from controlplane.web.services import KeyRing, Services
+from controlplane.web.services import DatabaseProbe, KeyRing, Services
 
 log = logging.getLogger("controlplane.app")
 
@@ -84,6 +85,8 @@ def pool_settings(settings: Settings, url: str) -> PoolSettings:
         max_size=db.pool_max_size,
         statement_timeout_ms=db.statement_timeout_ms,
         lock_timeout_ms=db.lock_timeout_ms,
+        acquire_timeout_seconds=db.acquire_timeout_seconds,
+        command_timeout_seconds=db.command_timeout_seconds,
     )
 
 
@@ -219,6 +222,12 @@ class Daemon:
             cancels=cancels,
             keys=keys,
             reserved_labels=settings.reserved_labels,
+            feed=FeedWatch(
+                pool,
+                recheck_seconds=settings.events.recheck_seconds,
+                held_per_key=settings.events.held_reads_per_key,
+            ),
+            probe=DatabaseProbe(pool, refresh_seconds=settings.health.refresh_seconds),
             control=ControlSessions(),
         )
         self.services = services
@@ -306,6 +315,7 @@ class Daemon:
                 root.start_soon(stop_on_signal)
             await root.start(listener.run)
             await root.start(dispatcher.run)
+            await root.start(services.feed.run)
             root.start_soon(maintenance.run)
             log.info("server.listening", extra={"address": self.address})
             if on_ready is not None:

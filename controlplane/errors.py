@@ -67,9 +67,15 @@ class RateLimited(ControlPlaneError):
 
 
 class Unavailable(ControlPlaneError):
-    """The database is unreachable or timed out; the request may be retried."""
+    """This replica cannot serve the request now; it may be retried."""
 
     code = "unavailable"
+
+
+class DatabaseUnavailable(Unavailable):
+    """The database is unreachable, refused us, or missed a client-side deadline."""
+
+    code = "database-unavailable"
 
 
 class ConfigError(ControlPlaneError):

@@ -57,6 +57,9 @@ running_jobs = Gauge(
 listener_connected = Gauge(
     "controlplane_listener_connected", "1 while LISTEN/NOTIFY is connected.", registry=REGISTRY
 )
+event_reads_held = Gauge(
+    "controlplane_event_reads_held", "Event-feed reads held on a long poll.", registry=REGISTRY
+)
 dispatch_latency = Histogram(
     "controlplane_dispatch_seconds",
     "From job request arrival to its answer, by outcome.",

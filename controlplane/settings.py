@@ -30,6 +30,11 @@ class Database(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pool_max_size: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
     statement_timeout_ms: Annotated[int, msgspec.Meta(ge=100, le=600_000)] = 10_000
     lock_timeout_ms: Annotated[int, msgspec.Meta(ge=100, le=600_000)] = 5_000
+    # Client-side deadlines, so a hung connection cannot hang a request: waiting for a pooled
+    # connection (or opening one), and any one statement (above statement_timeout_ms, so the
+    # server's own timeout fires first while the server answers at all).
+    acquire_timeout_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=600)] = 5.0
+    command_timeout_seconds: Annotated[float, msgspec.Meta(ge=0.2, le=3600)] = 15.0
 
 
 class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -97,6 +102,19 @@ class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ephemeral_token_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 7
 
 
+class Events(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Held (long-poll) event-feed reads."""
+
+    held_reads_per_key: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 100
+    recheck_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=60)] = 0.25
+
+
+class Health(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """/readyz and /metrics, which answer without a credential."""
+
+    refresh_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=60)] = 1.0
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     database: Database = msgspec.field(default_factory=Database)
     server: Server = msgspec.field(default_factory=Server)
@@ -104,6 +122,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     runners: Runners = msgspec.field(default_factory=Runners)
     maintenance: Maintenance = msgspec.field(default_factory=Maintenance)
     provisioners: Provisioners = msgspec.field(default_factory=Provisioners)
+    events: Events = msgspec.field(default_factory=Events)
+    health: Health = msgspec.field(default_factory=Health)
 
     @property
     def reserved_labels(self) -> LabelSet:
@@ -160,6 +180,11 @@ def _check(settings: Settings) -> Settings:
         raise ConfigError("server.host must be an address or host name, without spaces")
     if settings.database.pool_min_size > settings.database.pool_max_size:
         raise ConfigError("database.pool_min_size must not exceed database.pool_max_size")
+    if settings.database.command_timeout_seconds * 1000 <= settings.database.statement_timeout_ms:
+        raise ConfigError(
+            "database.command_timeout_seconds must exceed database.statement_timeout_ms, so the "
+            "server cancels a slow statement before the client gives up on its connection"
+        )
     prov = settings.provisioners
     if prov.reservation_ttl_seconds > prov.reservation_ttl_max_seconds:
         raise ConfigError(

@@ -24,8 +24,9 @@ from controlplane.store.records import json_text, json_value
 # of every job, do not notify: a NOTIFY takes a database-wide lock held through the commit's WAL
 # flush, so notifying commits run one at a time (on the benchmark machine about 4,300 a second
 # however many clients, against 17,000 plain commits). The replica that ran them wakes its own
-# feed readers in-process; readers on other replicas see them at their next re-read (at most
-# 0.25 s; web/orchestrator.py). Rarer events (cancel, expiry, requeue) still notify.
+# feed readers in-process; readers on other replicas see them at their replica's next safety
+# re-check (`events.recheck_seconds`; actors/feed.py). Rarer events (cancel, expiry, requeue)
+# still notify.
 EVENTS_CHANNEL = "cp_events"
 
 
@@ -140,3 +141,40 @@ async def read(
         )
         for row in rows
     ]
+
+
+async def stable_mark(conn: Conn) -> tuple[int, int]:
+    """The cursor of the newest event in the stable prefix; (0, 0) when there is none.
+
+    The stable prefix only grows at its end: an event that becomes readable later has an xid at
+    or above the xmin this read used, so it sorts after the mark returned here."""
+    row = await conn.fetchrow(
+        """
+        SELECT xid::text::bigint AS xid, seq
+        FROM events
+        WHERE xid < pg_snapshot_xmin(pg_current_snapshot())
+        ORDER BY xid DESC, seq DESC
+        LIMIT 1
+        """
+    )
+    return (0, 0) if row is None else (row["xid"], row["seq"])
+
+
+async def grown_since(
+    conn: Conn, mark: tuple[int, int]
+) -> tuple[tuple[int, int], set[UUID | None]]:
+    """The stable prefix past `mark`: its new mark, and the workspaces that have events in it
+    (None for events of no workspace). Reads only what was added since `mark`."""
+    rows = await conn.fetch(
+        """
+        SELECT DISTINCT ON (workspace_id) workspace_id, xid::text::bigint AS xid, seq
+        FROM events
+        WHERE (xid, seq) > ($1::text::xid8, $2::bigint)
+          AND xid < pg_snapshot_xmin(pg_current_snapshot())
+        ORDER BY workspace_id, xid DESC, seq DESC
+        """,
+        str(mark[0]),
+        mark[1],
+    )
+    newest = max(((row["xid"], row["seq"]) for row in rows), default=mark)
+    return newest, {row["workspace_id"] for row in rows}

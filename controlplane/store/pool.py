@@ -1,8 +1,14 @@
-"""The asyncpg pool, with the settings every connection carries, and error translation.
+"""The asyncpg pool, with the settings and deadlines every connection carries.
 
 Every connection gets a statement timeout (so a lock wait can never hang a request forever) and
-an application name. Failing to connect becomes `Unavailable`; faults on a live connection
-(lost connection, timeouts) reach the web layer, which answers them with 503 (web/errors.py).
+an application name. Client-side deadlines cover what the server cannot: a connection that stops
+answering at all. Waiting for a pooled connection, or opening one, is bounded by
+`acquire_timeout_seconds`, and every statement by `command_timeout_seconds`, which is longer than
+the statement timeout so that, while the server answers, its own timeout fires first. A
+connection that missed a deadline or failed under us is in an unknown state: it is terminated,
+not returned to the pool, and the pool opens a fresh one on demand, so the daemon recovers by
+itself once the database answers again. Failing to connect becomes `DatabaseUnavailable`; faults
+on a live connection reach the web layer, which answers them with 503 (web/errors.py).
 """
 
 from __future__ import annotations
@@ -11,17 +17,27 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
-from asyncpg.pool import PoolConnectionProxy
+from asyncpg.pool import PoolAcquireContext, PoolConnectionProxy
 
-from controlplane.errors import Unavailable
+from controlplane.errors import DatabaseUnavailable
 
 log = logging.getLogger("controlplane.pool")
 
 Pool = asyncpg.Pool
 # A store function runs on a dedicated connection or on one borrowed from the pool.
 Conn = asyncpg.Connection | PoolConnectionProxy
+
+# Faults after which a connection cannot be trusted (a statement may still be running, or the
+# protocol is mid-message): drop it rather than wait for a cancel the server may never answer.
+BROKEN_CONNECTION: tuple[type[Exception], ...] = (
+    TimeoutError,
+    OSError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +47,8 @@ class PoolSettings:
     max_size: int = 20
     statement_timeout_ms: int = 10_000
     lock_timeout_ms: int = 5_000
+    acquire_timeout_seconds: float = 5.0
+    command_timeout_seconds: float = 15.0
     application_name: str = "controlplane"
 
 
@@ -53,18 +71,53 @@ async def _no_session_state(_conn: asyncpg.Connection) -> None:
     """
 
 
+class _Borrowed(PoolAcquireContext):
+    """`async with pool.acquire()`: a connection that failed under its user is terminated."""
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.connection is not None and isinstance(exc[1], BROKEN_CONNECTION):
+            self.connection.terminate()  # detaches it from the pool; the release is a no-op
+        await super().__aexit__(*exc)
+
+
+class DeadlinePool(asyncpg.Pool):
+    """asyncpg's pool whose every acquire, wherever it is written, has a deadline. The release
+    of a connection is bounded by the same deadline (asyncpg reuses the acquire's timeout)."""
+
+    def __init__(self, *args: Any, acquire_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.acquire_timeout = acquire_timeout
+
+    def acquire(self, *, timeout: float | None = None) -> _Borrowed:
+        return _Borrowed(self, self.acquire_timeout if timeout is None else timeout)
+
+
+def _connect_options(settings: PoolSettings) -> dict[str, Any]:
+    return {
+        "server_settings": server_settings(settings),
+        "timeout": settings.acquire_timeout_seconds,
+        "command_timeout": settings.command_timeout_seconds,
+    }
+
+
 async def create_pool(settings: PoolSettings) -> Pool:
+    pool = DeadlinePool(
+        settings.url,
+        acquire_timeout=settings.acquire_timeout_seconds,
+        min_size=settings.min_size,
+        max_size=settings.max_size,
+        max_queries=50_000,
+        max_inactive_connection_lifetime=300.0,
+        loop=None,
+        connection_class=asyncpg.Connection,
+        record_class=asyncpg.Record,
+        reset=_no_session_state,
+        **_connect_options(settings),
+    )
     try:
-        pool = await asyncpg.create_pool(
-            settings.url,
-            min_size=settings.min_size,
-            max_size=settings.max_size,
-            server_settings=server_settings(settings),
-            reset=_no_session_state,
-        )
-    except (OSError, asyncpg.PostgresConnectionError) as error:
-        raise Unavailable(f"cannot connect to the database: {error}") from error
-    assert pool is not None
+        await pool
+    except (OSError, asyncpg.PostgresConnectionError) as error:  # TimeoutError is an OSError
+        raise DatabaseUnavailable(f"cannot connect to the database: {error!r}") from error
     return pool
 
 
@@ -80,6 +133,9 @@ async def borrow(pool: Pool) -> AsyncIterator[PoolConnectionProxy]:
     conn = await pool.acquire()
     try:
         yield conn
+    except BROKEN_CONNECTION:
+        conn.terminate()
+        raise
     finally:
         try:
             await pool.release(conn)
@@ -88,8 +144,10 @@ async def borrow(pool: Pool) -> AsyncIterator[PoolConnectionProxy]:
 
 
 async def connect(settings: PoolSettings) -> asyncpg.Connection:
-    """A dedicated connection, outside the pool (session locks, LISTEN)."""
+    """A dedicated connection, outside the pool (session locks, LISTEN), with the pool's
+    deadlines: opening it within `acquire_timeout_seconds`, each statement within
+    `command_timeout_seconds`."""
     try:
-        return await asyncpg.connect(settings.url, server_settings=server_settings(settings))
+        return await asyncpg.connect(settings.url, **_connect_options(settings))
     except (OSError, asyncpg.PostgresConnectionError) as error:
-        raise Unavailable(f"cannot connect to the database: {error}") from error
+        raise DatabaseUnavailable(f"cannot connect to the database: {error!r}") from error

@@ -86,7 +86,7 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
             "http.database_unavailable",
             extra={"path": request.url.path, "error": type(exc).__name__},
         )
-        return error_response(errors.Unavailable("database unavailable; retry"))
+        return error_response(errors.DatabaseUnavailable("database unavailable; retry"))
     log.error(
         "http.unhandled",
         exc_info=exc,

@@ -1,23 +1,19 @@
-"""Liveness, readiness and Prometheus metrics."""
+"""Liveness, readiness and Prometheus metrics: no credential, so no query per request.
+
+What they say about the database comes from `DatabaseProbe` (web/services.py), read at most once
+per `health.refresh_seconds` whatever the request rate; the rest is this process's own state.
+"""
 
 from __future__ import annotations
 
-import logging
-
-import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from controlplane import metrics
-from controlplane.store import migrations, queries
 from controlplane.web import auth
 from controlplane.web.edge import json_response
-
-_READY_TIMEOUT_SECONDS = 1.0
-
-log = logging.getLogger("controlplane.health")
 
 
 async def healthz(_request: Request) -> Response:
@@ -27,19 +23,13 @@ async def healthz(_request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     """Ready when the database answers, no migration is pending, and LISTEN is connected."""
     svc = auth.services(request)
-    checks: dict[str, str] = {}
-    try:
-        with anyio.fail_after(_READY_TIMEOUT_SECONDS):
-            async with svc.pool.acquire() as conn:
-                await conn.fetchval("SELECT 1")
-                checks["database"] = "ok"
-                todo = await migrations.pending(conn)
-                checks["migrations"] = "ok" if not todo else f"{len(todo)} pending"
-    except Exception as error:
-        checks.setdefault("database", f"unreachable: {type(error).__name__}")
-        checks.setdefault("migrations", "unknown")
+    facts = await svc.probe.facts()
     listening = svc.listener is not None and svc.listener.connected
-    checks["listener"] = "ok" if listening else "disconnected"
+    checks = {
+        "database": facts.database,
+        "migrations": facts.migrations,
+        "listener": "ok" if listening else "disconnected",
+    }
     ready = all(value == "ok" for value in checks.values())
     return json_response({"ready": ready, "checks": checks}, 200 if ready else 503)
 
@@ -49,14 +39,10 @@ async def metrics_text(request: Request) -> Response:
     metrics.parked_runners.set(svc.dispatcher.parked)
     metrics.workspace_actors.set(svc.dispatcher.actors)
     metrics.listener_connected.set(1 if svc.listener is not None and svc.listener.connected else 0)
-    try:
-        with anyio.fail_after(_READY_TIMEOUT_SECONDS):
-            async with svc.pool.acquire() as conn:
-                depth = await queries.depth(conn)
-        metrics.pending_jobs.set(depth.pending)
-        metrics.running_jobs.set(depth.running)
-    except Exception as error:  # the gauges keep their last value; readiness reports the database
-        log.warning("metrics.depth_failed", extra={"error": repr(error)})
+    facts = await svc.probe.facts()
+    if facts.depth is not None:  # else the gauges keep their last value; /readyz says why
+        metrics.pending_jobs.set(facts.depth.pending)
+        metrics.running_jobs.set(facts.depth.running)
     return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -102,9 +102,12 @@ ERRORS: dict[str, tuple[type[errors.ControlPlaneError], str]] = {
                                         "this session holds no lease on the execution"),
     "runner-session-exhausted": (errors.RunnerSessionExhausted, "a capped session is used up"),
     "payload-too-large": (errors.PayloadTooLarge, "body or job payload over its limit"),
-    "rate-limited": (ephemeral.RegistrationRateLimited,
-                     "too many attempts with this ephemeral token in its window "
+    "rate-limited": (errors.RateLimited,
+                     "too many attempts with this ephemeral token in its window, or too many "
+                     "held event-feed reads by this key on this replica "
                      "(`details.retry_after_seconds`, also in Retry-After)"),
+    "database-unavailable": (errors.DatabaseUnavailable,
+                             "the database did not answer within a deadline, or refused; retry"),
     "unavailable": (errors.Unavailable, "too many runners waiting, or a claim failed; retry"),
     "runners-rate-limit-unavailable": (ephemeral.RateLimitUnavailable,
                                        "the registration rate limiter failed or timed out"),
@@ -255,7 +258,7 @@ OPERATIONS: dict[str, Op] = {
         orchestrator.OutcomeResponse, "not-found"),
     "GET /v1/events": Op(
         "Read the event feed", OAK, None, orchestrator.EventsResponse,
-        "invalid-cursor forbidden", ("after", "limit", "wait:events", "workspace_id")),
+        "invalid-cursor forbidden rate-limited", ("after", "limit", "wait:events", "workspace_id")),
     "POST /v1/admin/api-keys": Op(
         "Create an API key", ADM, admin.CreateApiKey, admin.CreatedCredential, _IDEMPOTENT,
         _KEY, ok=201),
@@ -378,7 +381,9 @@ NOTES = {
     f"{_KNOBS.queue.max_payload_bytes}) bytes. One result per job, in order.",
     "POST /v1/jobs/{job_execution_id}/outcome": "An installation-wide key may end an execution "
     "never seen (its tombstone stops a later enqueue); a workspace-scoped key gets 404.",
-    "GET /v1/events": "Events after `after`, oldest first; with `wait`, held until one arrives.",
+    "GET /v1/events": "Events after `after`, oldest first; with `wait`, held until one arrives. "
+    f"A key holds at most events.held_reads_per_key (default {_KNOBS.events.held_reads_per_key}) "
+    "reads with `wait` on one replica; more get 429.",
     "GET /v1/admin/runner-instances": "Installation-wide: instances of workspace and "
     "installation provisioners alike. Unknown query parameters are 400. Derived per row: "
     "`lifecycle_state` (unassigned, assigned, activated, claimed; an assigned instance in a "
@@ -415,7 +420,7 @@ def codes(route: Route, op: Op) -> list[str]:
     """Every error code the route can answer with, in ERRORS order."""
     found = set(op.errors.split())
     if op.auth is not None:
-        found.update((*SECURITY[op.auth][1], "server-error"))
+        found.update((*SECURITY[op.auth][1], "database-unavailable", "server-error"))
         for other in op.alternative_auth:
             found.update(SECURITY[other][1])
     if op.body is not None:

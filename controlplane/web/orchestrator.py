@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from uuid import UUID
 
 import anyio
@@ -29,7 +30,6 @@ from controlplane.web.edge import (
 from controlplane.web.services import Services
 from controlplane.wire import orchestrator as wire
 
-_EVENT_RECHECK_SECONDS = 0.25
 # A cursor's parts as PostgreSQL types them: the transaction id is xid8 (unsigned 64-bit), the
 # sequence bigint (signed 64-bit). Checked here, so a larger one is 400, not a failed query.
 _XID8_MAX = 2**64 - 1
@@ -180,18 +180,11 @@ async def read_events(request: Request) -> Response:
     wait = query_number(
         request, "wait", low=0, high=svc.settings.runners.long_poll_max_seconds, default=0
     )
-    deadline = anyio.current_time() + wait
-    while True:
-        changed = svc.events_changed
+    if wait > 0:
+        found = await _held_read(request, svc, key, after, workspace, limit, wait)
+    else:
         async with svc.pool.acquire() as conn:
             found = await events.read(conn, after=after, workspace_id=workspace, limit=limit)
-        remaining = deadline - anyio.current_time()
-        if found or remaining <= 0 or svc.closing:
-            break
-        # Woken by NOTIFY; the short re-check covers events hidden behind a transaction that
-        # was still open when we read (they become visible when it ends).
-        with anyio.move_on_after(min(remaining, _EVENT_RECHECK_SECONDS)):
-            await changed.wait()
     next_cursor = found[-1].cursor if found else f"{after[0]}.{after[1]}"
     return json_response(
         wire.EventsResponse(
@@ -209,6 +202,51 @@ async def read_events(request: Request) -> Response:
             next_cursor=next_cursor,
         )
     )
+
+
+async def _held_read(
+    request: Request,
+    svc: Services,
+    key: Credential,
+    after: tuple[int, int],
+    workspace: UUID | None,
+    limit: int,
+    wait: float,
+) -> Sequence[events.Event]:
+    """Read, and until something is found, read again only when the replica's feed watcher says
+    this workspace's feed may have grown (actors/feed.py): no polling per request. A client
+    that leaves frees its place under the per-key cap at once."""
+    deadline = anyio.current_time() + wait
+    async with svc.feed.hold(key.id, workspace):
+        while True:
+            woken = svc.feed.wake_for(workspace)
+            async with svc.pool.acquire() as conn:
+                found = await events.read(conn, after=after, workspace_id=workspace, limit=limit)
+            remaining = deadline - anyio.current_time()
+            if found or remaining <= 0 or svc.closing:
+                return found
+            if await _client_left(request, woken, remaining) or not woken.is_set():
+                return found  # the client left, or `wait` passed with nothing new
+
+
+async def _client_left(request: Request, woken: anyio.Event, seconds: float) -> bool:
+    """Wait up to `seconds` for `woken`; True when the client disconnected first. This route
+    reads no body, so the only message still to come is `http.disconnect`."""
+    left = False
+    with anyio.move_on_after(seconds):
+        async with anyio.create_task_group() as group:
+
+            async def watch_client() -> None:
+                nonlocal left
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                left = True
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch_client)
+            await woken.wait()
+            group.cancel_scope.cancel()
+    return left
 
 
 routes = [

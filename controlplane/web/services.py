@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -13,12 +14,15 @@ from controlplane.actors.assignments import AssignmentBoard
 from controlplane.actors.cancels import CancelBoard
 from controlplane.actors.control import ControlSessions
 from controlplane.actors.dispatch import Dispatcher
+from controlplane.actors.feed import FeedWatch
 from controlplane.actors.listener import Listener
 from controlplane.actors.provisioning import DemandBoard
 from controlplane.domain import tokens
 from controlplane.domain.labels import LabelSet
 from controlplane.settings import Settings
-from controlplane.store import credentials
+from controlplane.store import credentials, migrations, queries
+
+log = logging.getLogger("controlplane.health")
 
 
 def utc_now() -> datetime:
@@ -52,6 +56,56 @@ class KeyRing:
         return self._keys
 
 
+@dataclass(frozen=True, slots=True)
+class DatabaseFacts:
+    """What /readyz and /metrics report about the database."""
+
+    database: str  # "ok", or why not
+    migrations: str  # "ok", "<n> pending" or "unknown"
+    depth: queries.QueueDepth | None
+
+
+class DatabaseProbe:
+    """The database facts, read at most once per `refresh_seconds` however many requests ask:
+    a request finding them stale reads them while concurrent ones wait for that same read.
+    /readyz and /metrics answer without a credential, so nothing they do may cost a query per
+    request. A read is bounded by `deadline_seconds` and, on failure, cached like a success."""
+
+    def __init__(
+        self, pool: asyncpg.Pool, *, refresh_seconds: float, deadline_seconds: float = 1.0
+    ) -> None:
+        self._pool = pool
+        self._refresh = refresh_seconds
+        self._deadline = deadline_seconds
+        self._lock = anyio.Lock()
+        self._facts: DatabaseFacts | None = None
+        self._due = 0.0
+        self.reads = 0
+
+    async def facts(self) -> DatabaseFacts:
+        if self._facts is not None and anyio.current_time() < self._due:
+            return self._facts
+        async with self._lock:
+            if self._facts is None or anyio.current_time() >= self._due:
+                self._facts = await self._read()
+                # Counted from the end of the read: a database that hangs for the whole
+                # deadline is asked again a full interval later, not at once.
+                self._due = anyio.current_time() + self._refresh
+            return self._facts
+
+    async def _read(self) -> DatabaseFacts:
+        self.reads += 1
+        try:
+            with anyio.fail_after(self._deadline):
+                async with self._pool.acquire() as conn:
+                    todo = await migrations.pending(conn)
+                    depth = await queries.depth(conn)
+        except Exception as error:
+            log.warning("health.database_unreachable", extra={"error": repr(error)})
+            return DatabaseFacts(f"unreachable: {type(error).__name__}", "unknown", None)
+        return DatabaseFacts("ok", "ok" if not todo else f"{len(todo)} pending", depth)
+
+
 @dataclass
 class Services:
     settings: Settings
@@ -60,12 +114,13 @@ class Services:
     cancels: CancelBoard
     keys: KeyRing
     reserved_labels: LabelSet
+    feed: FeedWatch
+    probe: DatabaseProbe
     listener: Listener | None = None
     control: ControlSessions = field(default_factory=ControlSessions)
     demand: DemandBoard = field(default_factory=DemandBoard)
     assignments: AssignmentBoard = field(default_factory=AssignmentBoard)
     clock: Callable[[], datetime] = utc_now
-    events_changed: anyio.Event = field(default_factory=anyio.Event)
     closing: bool = False
 
     @property
@@ -76,11 +131,10 @@ class Services:
         """Shutdown: release held heartbeats and event polls so they answer now."""
         self.closing = True
         self.cancels.wake_all()
-        self.signal_events()
+        self.feed.wake_all()
 
     def signal_events(self) -> None:
-        """Wake this replica's event-feed long-polls: called by the listener on `cp_events`
-        (rare events, from any replica) and after this replica's own claims and completions,
-        which do not NOTIFY (see store/events.py)."""
-        self.events_changed.set()
-        self.events_changed = anyio.Event()
+        """The feed may have grown: called by the listener on `cp_events` (rare events, from any
+        replica) and after this replica's own claims and completions, which do not NOTIFY (see
+        store/events.py). The feed watcher checks once for all held reads (actors/feed.py)."""
+        self.feed.poke()
