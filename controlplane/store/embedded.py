@@ -177,7 +177,8 @@ def _read_secret(path: Path) -> str:
             raise EmbeddedPostgresError(
                 f"{path} must be a file of this user ({os.geteuid()}) that no one else can read or "
                 f"write; it is owned by {info.st_uid} with mode {stat.filemode(info.st_mode)}. "
-                "Stop every process using this folder and delete it to make a new secret."
+                "If someone else may have read it, stop every process using this folder and "
+                "delete it (the next start makes a new one); otherwise chmod 600 it."
             )
         secret = os.read(fd, 4096).decode(errors="replace").strip()
     finally:

@@ -184,7 +184,8 @@ async def test_a_folder_that_older_code_set_up_to_trust_tcp_is_upgraded_in_place
     server: EmbeddedPostgres,
 ) -> None:
     # What 78daf06 did: initdb --auth=trust, then a server on loopback that trusts TCP.
-    server._prepare_permissions()
+    server.data_dir.parent.mkdir(parents=True)
+    server._prepare_permissions()  # as root: the folder, owned by the server user
     server.data_dir.mkdir(mode=0o700, exist_ok=True)
     initdb = server._run(
         ["initdb", "-D", str(server.data_dir), "-U", "postgres", "--auth=trust", "-E", "UTF8"]
