@@ -17,6 +17,7 @@ none is left; jobs/s is jobs divided by the time from the first request to the l
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import time
@@ -24,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import anyio
 import asyncpg
@@ -154,12 +156,17 @@ async def http_lifecycle(url: str, addresses: list[str], runners: int, jobs: int
 
 async def pgbench_tps(server_url: str) -> float | None:
     binary = Path(harness.pg_bin_dir()) / "pgbench"
-    target = ["-h", "127.0.0.1", "-p", server_url.rsplit(":", 1)[1].split("/")[0], "-U", "postgres"]
-    init = await anyio.run_process([str(binary), "-i", "-s", "10", "-q", *target, "postgres"])
+    parts = urlsplit(server_url)
+    target = ["-h", "127.0.0.1", "-p", str(parts.port), "-U", "postgres"]
+    # The password goes by the environment, never on a command line that `ps` shows.
+    env = {**os.environ, "PGPASSWORD": unquote(parts.password or "")}
+    init = await anyio.run_process(
+        [str(binary), "-i", "-s", "10", "-q", *target, "postgres"], env=env
+    )
     if init.returncode != 0:
         return None
     run = await anyio.run_process(
-        [str(binary), "-c", "10", "-j", "2", "-T", "10", *target, "postgres"], check=False
+        [str(binary), "-c", "10", "-j", "2", "-T", "10", *target, "postgres"], check=False, env=env
     )
     found = re.search(r"tps = ([0-9.]+)", run.stdout.decode())
     return float(found.group(1)) if found else None

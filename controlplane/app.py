@@ -98,7 +98,15 @@ async def database(settings: Settings) -> AsyncIterator[str]:
         return
     server = EmbeddedPostgres(Path(settings.database.embedded_data_dir))
     url = await anyio.to_thread.run_sync(server.start)
-    log.info("embedded_postgres.started", extra={"data_dir": str(server.data_dir), "url": url})
+    # The URL carries the password: it stays in this process, and only the masked one is logged.
+    log.info(
+        "embedded_postgres.started",
+        extra={
+            "data_dir": str(server.data_dir),
+            "url": server.masked_url,
+            "secret_file": str(server.secret_file),
+        },
+    )
     try:
         yield url
     finally:

@@ -22,6 +22,7 @@ from anyio.abc import Process
 from controlplane import app
 from controlplane.settings import Settings
 from controlplane.store import credentials, provisioners
+from controlplane.store.embedded import mask_password
 from controlplane.store.pool import connect
 
 DEV_WORKSPACE = uuid.UUID("00000000-0000-4000-8000-00000000d0d0")
@@ -94,7 +95,7 @@ async def _start(
     sys.stdout.write(
         f"controlplane dev\n"
         f"  API        {address}  (docs: {address}/openapi.json)\n"
-        f"  database   {url}\n"
+        f"  database   {mask_password(url)}\n"
         f"  workspace  {DEV_WORKSPACE}\n"
         f"  runners    a local provisioner launching up to {runners} reference runners with\n"
         f"             labels {labels}, one kept idle and ready\n"

@@ -146,9 +146,9 @@ _UNITS_AND_QUEUED = """
 """
 
 
-def _as_role(url: str, role: str) -> str:
+def _as_role(url: str, role: str, password: str) -> str:
     parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}"))
+    return urlunsplit(parts._replace(netloc=f"{role}:{password}@{parts.hostname}:{parts.port}"))
 
 
 async def _hold_commits(admin: asyncpg.Connection, held: bool) -> None:
@@ -254,6 +254,7 @@ async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_sess
     over_grants: list[str] = []  # table snapshots with more units than slots or queued demand
     snapshots = 0
     role = f"cp_replica_a_{uuid.uuid4().hex[:8]}"
+    password = uuid.uuid4().hex  # the embedded server refuses TCP logins without one
     db = await asyncpg.connect(database_url)
     watch_db = await asyncpg.connect(database_url)
     held = False
@@ -262,13 +263,13 @@ async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_sess
         fleet = ProvisionerClient(
             token, [{"template_key": "k", "labels": ["linux"], "available_slots": slots}]
         )
-        await db.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
+        await db.execute(f"CREATE ROLE {role} LOGIN SUPERUSER PASSWORD '{password}'")
         await db.execute(f"ALTER ROLE {role} SET synchronous_commit = 'on'")
         async with (
             # B first, so B leads maintenance: A must write nothing but claims (and see above).
             spawn_daemon(**KILL_EXPIRY, **FAST_ROUNDS) as replica_b,
             spawn_daemon(
-                **KILL_EXPIRY, **FAST_ROUNDS, DATABASE_URL=_as_role(database_url, role)
+                **KILL_EXPIRY, **FAST_ROUNDS, DATABASE_URL=_as_role(database_url, role, password)
             ) as replica_a,
             httpx.AsyncClient(base_url=replica_a.address, timeout=30) as a,
             httpx.AsyncClient(base_url=replica_b.address, timeout=30) as b,
