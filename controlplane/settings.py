@@ -107,6 +107,24 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return parse_reserved(self.runners.reserved_labels)
 
 
+# Variables the client commands read (`enqueue`, `status`, `runner`, `provisioner local`, ...), and
+# those a runner sets for its job. `dev` writes several of them to var/dev.env for a second shell,
+# so a shell that sourced it must still start a server: they are not settings, and not typos.
+CLIENT_VARIABLES = frozenset(
+    {
+        "CONTROLPLANE_URL",
+        "CONTROLPLANE_WORKSPACE",
+        "CONTROLPLANE_ORCHESTRATOR_KEY",
+        "CONTROLPLANE_ADMIN_KEY",
+        "CONTROLPLANE_RUNNER_TOKEN",
+        "CONTROLPLANE_BOOTSTRAP_TOKEN",
+        "CONTROLPLANE_PROVISIONER_TOKEN",
+        "CONTROLPLANE_JOB_EXECUTION_ID",
+        "CONTROLPLANE_JOB_ID",
+    }
+)
+
+
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
     overrides: dict[str, dict[str, str]] = {}
     known = {field.name: field.type for field in msgspec.structs.fields(Settings)}
@@ -114,6 +132,8 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
         overrides.setdefault("database", {})["url"] = environ["DATABASE_URL"]
     for name, value in environ.items():
         if not name.startswith("CONTROLPLANE_") or name == "CONTROLPLANE_CONFIG":
+            continue
+        if name in CLIENT_VARIABLES:
             continue
         rest = name.removeprefix("CONTROLPLANE_").lower()
         section, _, knob = rest.partition("_")

@@ -92,3 +92,22 @@ async def test_bad_input_exits_2_with_a_message(database_url: str) -> None:
     bad_knob = await run_cli(database_url, "migrate", CONTROLPLANE_SERVER_PORT="-1")
     assert bad_knob.returncode == 2
     assert "server.port" in bad_knob.stderr
+
+
+async def test_a_shell_that_sourced_dev_env_can_run_every_server_command(
+    empty_database_url: str,
+) -> None:
+    """var/dev.env exports the client variables; `migrate` (like `serve`, `dev`, `tokens`) loads
+    the server settings in that shell, and must not refuse them as unknown settings."""
+    sourced = {
+        "CONTROLPLANE_URL": "http://127.0.0.1:8080",
+        "CONTROLPLANE_WORKSPACE": str(uuid.uuid4()),
+        "CONTROLPLANE_ORCHESTRATOR_KEY": "cp_oak_" + "x" * 40,
+        "CONTROLPLANE_ADMIN_KEY": "cp_adm_" + "x" * 40,
+        "CONTROLPLANE_RUNNER_TOKEN": "cp_mrt_" + "x" * 40,
+        "CONTROLPLANE_PROVISIONER_TOKEN": "cp_pt_" + "x" * 40,
+    }
+    migrated = await run_cli(empty_database_url, "migrate", **sourced)
+    assert migrated.returncode == 0, migrated.stderr
+    listed = await run_cli(empty_database_url, "tokens", "list", "admin", **sourced)
+    assert listed.returncode == 0, listed.stderr
