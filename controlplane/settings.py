@@ -220,9 +220,11 @@ def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> 
 
 
 def _knob_message(error: msgspec.ValidationError) -> str:
-    # msgspec says "... - at `$.runners.long_poll_max_seconds`"; lead with the knob's name.
+    # msgspec says "... - at `$.runners.long_poll_max_seconds`", or "... - at `$`" for the top
+    # level, or nothing after the message; lead with the section or knob's name when there is one.
     text = str(error)
-    message, _, where = text.rpartition(" - at `$.")
-    if not where:
+    message, marker, where = text.rpartition(" - at `$")
+    if not marker:
         return text
-    return f"{where.rstrip('`')}: {message}"
+    where = where.removeprefix(".").removesuffix("`")
+    return f"{where}: {message}" if where else message

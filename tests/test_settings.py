@@ -155,3 +155,19 @@ def _is_setting(name: str) -> bool:
     section, _, knob = name.removeprefix("CONTROLPLANE_").lower().partition("_")
     fields = {f.name: f.type for f in msgspec.structs.fields(settings.Settings)}
     return section in fields and knob in {f.name for f in msgspec.structs.fields(fields[section])}
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[serverr]\nport = 1\n", "invalid setting: Object contains unknown field `serverr`"),
+        ("[server]\nprot = 1\n", "invalid setting: server: Object contains unknown field `prot`"),
+        ('[server]\nport = "x"\n', "invalid setting: server.port: Expected `int`, got `str`"),
+    ],
+)
+def test_a_bad_config_file_is_named_plainly(tmp_path: Path, toml: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as refused:
+        settings.load(path, environ={})
+    assert refused.value.message == message
