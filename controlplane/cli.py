@@ -423,6 +423,7 @@ def parser() -> argparse.ArgumentParser:
         description="Run the daemon: embedded PostgreSQL unless database.url is set, "
         "migrations, the HTTP API. Stops cleanly on SIGTERM/SIGINT.",
     )
+    _address_options(serve)
     serve.set_defaults(run=_cmd_serve)
 
     development = commands.add_parser(
@@ -440,6 +441,7 @@ def parser() -> argparse.ArgumentParser:
     development.add_argument(
         "--labels", default="linux", help="the runners' labels, comma-separated (default linux)"
     )
+    _address_options(development)
     development.set_defaults(run=_cmd_dev)
 
     migrate = commands.add_parser(
@@ -474,6 +476,36 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _with_address(config: settings.Settings, args: argparse.Namespace) -> settings.Settings:
+    """`--host` and `--port` (serve, dev) over the settings file and environment."""
+    host, port = getattr(args, "host", None), getattr(args, "port", None)
+    if host is None and port is None:
+        return config
+    if host is not None and (not host or host != host.strip() or " " in host):
+        raise InvalidInput("--host must be an address or host name, without spaces")
+    server = msgspec.structs.replace(
+        config.server,
+        host=config.server.host if host is None else host,
+        port=config.server.port if port is None else port,
+    )
+    return msgspec.structs.replace(config, server=server)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65_535:
+        raise argparse.ArgumentTypeError("a port is a number from 0 to 65535 (0: any free one)")
+    return int(text)
+
+
+def _address_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--host", help="address to listen on (default: server.host, 127.0.0.1)")
+    command.add_argument(
+        "--port",
+        type=_port,
+        help="port to listen on, 0 for any free one (default: server.port, 8080)",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logs.configure(args.log_level)
@@ -481,8 +513,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(args, "client"):
             code: int = args.client(args)
             return code
-        config = settings.load(args.config)
-        args.run(config, args)
+        config = _with_address(settings.load(args.config), args)
+        try:
+            args.run(config, args)
+        except (Exception, BaseExceptionGroup) as error:
+            from controlplane import startup_errors
+
+            line = startup_errors.explain(error, config)
+            if line is None:
+                raise
+            sys.stderr.write(f"controlplane: {line}\n")
+            return 2
     except ControlPlaneError as error:
         sys.stderr.write(f"controlplane: {error.message}\n")
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -111,3 +112,58 @@ async def test_a_shell_that_sourced_dev_env_can_run_every_server_command(
     assert migrated.returncode == 0, migrated.stderr
     listed = await run_cli(empty_database_url, "tokens", "list", "admin", **sourced)
     assert listed.returncode == 0, listed.stderr
+
+
+def _one_line(ran: Ran) -> str:
+    """A start-up failure we can name: exit 2, one line on stderr, no traceback."""
+    assert ran.returncode == 2, (ran.returncode, ran.stderr)
+    assert "Traceback" not in ran.stderr, ran.stderr
+    lines = ran.stderr.strip().splitlines()
+    assert len(lines) == 1, ran.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["serve", "dev"])
+async def test_a_busy_port_is_one_clear_line(database_url: str, command: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ran = await run_cli(database_url, command, "--port", str(port))
+    line = _one_line(ran)
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "--port" in line, line
+
+
+async def test_an_unreachable_database_is_one_clear_line() -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        ran = await run_cli(f"postgresql://postgres@127.0.0.1:{port}/x", "migrate")
+    line = _one_line(ran)
+    assert f"cannot reach the database at 127.0.0.1:{port}" in line, line
+    assert "DATABASE_URL" in line
+
+
+async def test_an_unknown_database_host_is_one_clear_line() -> None:
+    ran = await run_cli("postgresql://postgres@no-such-host.invalid/x", "serve")
+    line = _one_line(ran)
+    assert "cannot resolve the host of the database at no-such-host.invalid:5432" in line, line
+
+
+async def test_serve_listens_where_host_and_port_say(database_url: str) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = await anyio.open_process(
+        [sys.executable, "-m", "controlplane.cli", "serve", "--host", "127.0.0.1", "--port",
+         str(port)],
+        env={**os.environ, "DATABASE_URL": database_url},
+    )  # fmt: skip
+    async with process:
+        assert process.stdout is not None
+        with anyio.fail_after(60):
+            line = (await process.stdout.receive()).decode()
+        assert line.strip() == f"controlplane listening on http://127.0.0.1:{port}"
+        process.terminate()
+        with anyio.fail_after(30):
+            assert await process.wait() == 0
