@@ -50,7 +50,7 @@ async def _call(http: httpx.AsyncClient, method: str, path: str, **kwargs: objec
     try:
         response = await http.request(method, path, **kwargs)  # type: ignore[arg-type]
     except httpx.TransportError as error:
-        raise api.ApiError(f"cannot reach {http.base_url}: {type(error).__name__}") from error
+        raise api.ApiError(api.unreachable(str(http.base_url).rstrip("/"), error)) from error
     if response.status_code != 200:
         raise api.ApiError(f"{method} {path}: {api.describe(response)}")
     return response.content

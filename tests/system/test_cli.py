@@ -167,3 +167,19 @@ async def test_serve_listens_where_host_and_port_say(database_url: str) -> None:
         process.terminate()
         with anyio.fail_after(30):
             assert await process.wait() == 0
+
+
+async def test_a_url_without_its_scheme_is_named_with_the_fix() -> None:
+    ran = await run_cli("", "status", "--url", "127.0.0.1:8080", "--key", "cp_adm_" + "x" * 40)
+    line = _one_line(ran)
+    assert "must look like http://HOST:PORT (got '127.0.0.1:8080')" in line, line
+
+
+async def test_a_daemon_that_is_not_there_is_named() -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        ran = await run_cli("", "status", "--url", url, "--key", "cp_adm_" + "x" * 40)
+    line = _one_line(ran)
+    assert f"cannot reach the control plane at {url}: " in line, line
+    assert not line.endswith("ConnectError"), line
