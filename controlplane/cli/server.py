@@ -11,6 +11,7 @@ import importlib.util
 import sys
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -31,9 +32,26 @@ def _print(value: Any) -> None:
     sys.stdout.flush()
 
 
+def _existing_database(config: settings.Settings) -> None:
+    """Only serve, dev and migrate may create an embedded database. Any other command run where
+    there is none would create a new, empty one and mint credentials no running server knows."""
+    if config.database.url:
+        return
+    from controlplane.store.embedded import EmbeddedPostgres
+
+    folder = Path(config.database.embedded_data_dir)
+    if not EmbeddedPostgres(folder).initialised():
+        raise InvalidInput(
+            f"no database here: {folder} holds no embedded PostgreSQL. Run this in the folder "
+            "where `controlplane serve` or `dev` runs, or point it at the server's database "
+            "with DATABASE_URL (or CONTROLPLANE_DATABASE_EMBEDDED_DATA_DIR)"
+        )
+
+
 async def _with_db(
     config: settings.Settings, work: Callable[[Any], Awaitable[None]], *, migrate: bool = True
 ) -> None:
+    _existing_database(config)
     async with app.database(config) as url:
         if migrate:
             await app.migrate(url, config)

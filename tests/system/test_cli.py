@@ -9,6 +9,7 @@ import subprocess
 import sys
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 import asyncpg
@@ -183,3 +184,26 @@ async def test_a_daemon_that_is_not_there_is_named() -> None:
     line = _one_line(ran)
     assert f"cannot reach the control plane at {url}: " in line, line
     assert not line.endswith("ConnectError"), line
+
+
+async def test_tokens_where_there_is_no_database_says_so_and_creates_none(
+    tmp_path: Path,
+) -> None:
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("DATABASE_URL", "CONTROLPLANE_DATABASE_URL")
+    }
+    with anyio.fail_after(60):
+        done = await anyio.run_process(
+            [sys.executable, "-m", "controlplane.cli", "tokens", "create", "admin", "--name", "x"],
+            cwd=tmp_path,
+            env=env,
+            check=False,
+        )
+    ran = Ran(done.returncode, done.stdout.decode(), done.stderr.decode())
+    line = _one_line(ran)
+    assert "no database here: var/postgres holds no embedded PostgreSQL" in line, line
+    assert "DATABASE_URL" in line
+    assert ran.stdout == ""  # no token printed
+    assert not (tmp_path / "var").exists()
