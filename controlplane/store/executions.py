@@ -17,13 +17,15 @@ class ExecutionState:
     ended_by: str | None = None
     runner_session_id: UUID | None = None
     cancel_requested: bool = False
+    exit_code: int | None = None  # as its runner reported it, when it ended so
+    output_tail: str | None = None
 
 
 async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
     """Where the execution is now; a lease still draining after a cancel reports 'ended'."""
     row = await conn.fetchrow(
         """
-        SELECT e.workspace_id AS ended_ws, e.outcome, e.ended_by,
+        SELECT e.workspace_id AS ended_ws, e.outcome, e.ended_by, e.exit_code, e.output_tail,
                r.workspace_id AS running_ws, r.runner_session_id,
                r.cancellation_requested_at IS NOT NULL AS cancel_requested,
                p.workspace_id AS pending_ws
@@ -44,6 +46,8 @@ async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
             ended_by=row["ended_by"],
             runner_session_id=row["runner_session_id"],
             cancel_requested=bool(row["cancel_requested"]),
+            exit_code=row["exit_code"],
+            output_tail=row["output_tail"],
         )
     if row["running_ws"] is not None:
         return ExecutionState(
