@@ -140,7 +140,11 @@ def test_every_variable_a_command_reads_is_a_setting_or_declared_for_clients() -
     """The clients' variables are named in source; each must be known to the settings loader,
     or a shell that exports it could not start a server."""
     package = Path(settings.__file__).parent
-    sources = [package / "cli.py", package / "dev.py", *sorted((package / "agent").glob("*.py"))]
+    sources = [
+        package / "dev.py",
+        *sorted((package / "cli").glob("*.py")),
+        *sorted((package / "agent").glob("*.py")),
+    ]
     named = {
         name
         for source in sources

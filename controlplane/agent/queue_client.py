@@ -4,6 +4,7 @@ the provisioned fleet."""
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from uuid import UUID
 import anyio
 import httpx
 import msgspec
+from anyio.abc import TaskStatus
 
 from controlplane.agent import api
 from controlplane.wire.admin import QueueOut, ReservationList, RunnerInstanceCounts
@@ -72,33 +74,123 @@ async def enqueue(
     *,
     wait: bool,
     give_up_after: float,
+    cancel_on_interrupt: bool = False,
 ) -> int:
-    """Print the new execution's id; with `wait`, follow it to its end and print the outcome.
-    Exit status: 0 when enqueued (or, with `wait`, when it succeeded), 1 otherwise."""
+    """Print the new execution's id. With `wait`, follow it to its end, print the end of its
+    output and its outcome, and exit as the job did: its exit code when it has one, else 0 for
+    success and 1 otherwise; 2 when we gave up waiting. Ctrl-C while waiting leaves the job
+    running (and says how to cancel it), or cancels it with `cancel_on_interrupt`."""
     body = enqueue_body(workspace, labels, command, datetime.now(UTC))
     async with api.client(url) as http:
         headers = api.bearer(key)
-        answer = _decode(
-            await _call(http, "POST", "/v1/jobs", json=body, headers=headers), EnqueueResponse
-        )
-        result = answer.results[0]
-        _say(str(result.job_execution_id))
         if not wait:
+            _say(str(await _enqueue_one(http, headers, body)))
             return 0
-        path = f"/v1/jobs/{result.job_execution_id}"
-        pause = _FIRST_POLL_SECONDS
+        execution: UUID | None = None
+        interrupted = False
         state: ExecutionState | None = None
-        with anyio.move_on_after(give_up_after if give_up_after > 0 else float("inf")) as deadline:
-            while True:
-                state = _decode(await _call(http, "GET", path, headers=headers), ExecutionState)
-                if state.state == "ended":
-                    break
-                await anyio.sleep(pause)
-                pause = min(pause * 2, _MAX_POLL_SECONDS)
-        if deadline.cancelled_caught or state is None:
-            raise api.ApiError(f"gave up waiting after {give_up_after:g} s; the job has not ended")
-    _say(f"outcome: {state.outcome}")
+        async with anyio.create_task_group() as group:
+
+            async def on_interrupt(*, task_status: TaskStatus[None]) -> None:
+                nonlocal interrupted
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    task_status.started()
+                    async for _ in signals:
+                        interrupted = True
+                        group.cancel_scope.cancel()
+                        return
+
+            async def follow() -> None:
+                nonlocal execution, state
+                execution = await _enqueue_one(http, headers, body)
+                _say(str(execution))
+                state = await _until_ended(http, headers, execution, give_up_after)
+                group.cancel_scope.cancel()
+
+            # Ctrl-C is ours from before the job exists, so it never meets a default handler.
+            await group.start(on_interrupt)
+            group.start_soon(follow)
+        if interrupted:
+            if execution is None:
+                _warn("interrupted before the job was enqueued")
+                return 130
+            return await _interrupted(http, headers, execution, cancel_on_interrupt)
+        assert execution is not None
+        if state is None:
+            raise api.ApiError(
+                f"gave up waiting after {give_up_after:g} s; {execution} has not ended "
+                f"(`controlplane jobs show {execution}` follows it)"
+            )
+    return _report(state)
+
+
+async def _enqueue_one(
+    http: httpx.AsyncClient, headers: dict[str, str], body: dict[str, object]
+) -> UUID:
+    answer = _decode(
+        await _call(http, "POST", "/v1/jobs", json=body, headers=headers), EnqueueResponse
+    )
+    return answer.results[0].job_execution_id
+
+
+async def _until_ended(
+    http: httpx.AsyncClient, headers: dict[str, str], execution: UUID, give_up_after: float
+) -> ExecutionState | None:
+    """The execution's state once it has ended; None past `give_up_after` (0: no limit)."""
+    path = f"/v1/jobs/{execution}"
+    pause = _FIRST_POLL_SECONDS
+    with anyio.move_on_after(give_up_after if give_up_after > 0 else float("inf")):
+        while True:
+            state = _decode(await _call(http, "GET", path, headers=headers), ExecutionState)
+            if state.state == "ended":
+                return state
+            await anyio.sleep(pause)
+            pause = min(pause * 2, _MAX_POLL_SECONDS)
+    return None
+
+
+async def _interrupted(
+    http: httpx.AsyncClient, headers: dict[str, str], execution: UUID, cancel: bool
+) -> int:
+    if not cancel:
+        _warn(
+            f"stopped waiting; {execution} goes on. Cancel it with "
+            f"`controlplane jobs cancel {execution}`"
+        )
+        return 130
+    await _call(
+        http,
+        "POST",
+        f"/v1/jobs/{execution}/outcome",
+        json={"status": "cancelled", "reason": "interrupted while waiting (enqueue --wait)"},
+        headers=headers,
+    )
+    _warn(f"cancelled {execution}")
+    return 130
+
+
+def exit_status(state: ExecutionState) -> int:
+    """What `enqueue --wait` exits with: the job's own exit code when it reported one (a shell's
+    0..255), else 0 for success and 1 for anything else."""
+    if state.exit_code is not None and 0 <= state.exit_code <= 255:
+        return state.exit_code
     return 0 if state.outcome == "succeeded" else 1
+
+
+def _report(state: ExecutionState) -> int:
+    if state.output_tail:
+        sys.stdout.write(
+            state.output_tail if state.output_tail.endswith("\n") else state.output_tail + "\n"
+        )
+    code = exit_status(state)
+    detail = f" (exit code {state.exit_code})" if state.exit_code not in (None, 0) else ""
+    _say(f"outcome: {state.outcome}{detail}")
+    return code
+
+
+def _warn(line: str) -> None:
+    sys.stderr.write(f"controlplane: {line}\n")
+    sys.stderr.flush()
 
 
 def queue_table(queue: QueueOut) -> str:

@@ -110,7 +110,10 @@ a second one kills the job's process group, completes it `cancelled` and exits 1
         description="""\
 Enqueue one job whose payload is {"script": "<the command, shell-quoted>"}, with fresh ids and
 queued_at = now, and print its execution id. With --wait, follow the execution until it ends,
-print `outcome: <outcome>` and exit 0 if it succeeded, 1 otherwise.
+print the end of its output (the last runners.output_tail_bytes bytes, 16 KiB by default) and
+`outcome: <outcome>` (with the exit code when it is not 0), and exit with the job's exit code
+(0 or 1 by outcome when it has none; 2 when --timeout runs out). Ctrl-C while waiting leaves
+the job running and says how to cancel it, or cancels it with --cancel-on-interrupt (exit 130).
 
 example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait -- make test""",
     )
@@ -127,7 +130,17 @@ example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait --
     enqueue.add_argument(
         "--labels", required=True, help="comma-separated labels the runner must have"
     )
-    enqueue.add_argument("--wait", action="store_true", help="wait for the outcome")
+    enqueue.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the outcome, print the end of the job's output, exit with its exit code",
+    )
+    enqueue.add_argument(
+        "--cancel-on-interrupt",
+        action="store_true",
+        help="with --wait, Ctrl-C cancels the job (default: it goes on, and we say how to "
+        "cancel it)",
+    )
     enqueue.add_argument(
         "--timeout",
         type=float,

@@ -79,6 +79,7 @@ def _cmd_enqueue(args: argparse.Namespace) -> int:
             args.command,
             wait=args.wait,
             give_up_after=args.timeout,
+            cancel_on_interrupt=args.cancel_on_interrupt,
         )
     )
 

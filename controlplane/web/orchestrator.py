@@ -139,6 +139,8 @@ async def execution_state(request: Request) -> Response:
             ended_by=found.ended_by,
             runner_session_id=found.runner_session_id,
             cancel_requested=found.cancel_requested,
+            exit_code=found.exit_code,
+            output_tail=found.output_tail,
         )
     )
 

@@ -57,6 +57,8 @@ class ExecutionState(Strict):
     ended_by: str | None = None
     runner_session_id: UUID | None = None
     cancel_requested: bool = False
+    exit_code: int | None = None  # as the runner reported it
+    output_tail: str | None = None  # the end of the job's output, as the runner reported it
 
 
 class EventOut(Strict):
