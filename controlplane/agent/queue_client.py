@@ -19,6 +19,7 @@ from anyio.abc import TaskStatus
 
 from controlplane.agent import api
 from controlplane.wire.admin import QueueOut, ReservationList, RunnerInstanceCounts
+from controlplane.wire.jobs import PendingGroupList
 from controlplane.wire.orchestrator import EnqueueResponse, ExecutionState
 from controlplane.wire.provisioners import ProvisionerTokenList
 
@@ -48,7 +49,7 @@ def enqueue_body(
     }
 
 
-async def _call(http: httpx.AsyncClient, method: str, path: str, **kwargs: object) -> bytes:
+async def call(http: httpx.AsyncClient, method: str, path: str, **kwargs: object) -> bytes:
     try:
         response = await http.request(method, path, **kwargs)  # type: ignore[arg-type]
     except httpx.TransportError as error:
@@ -58,7 +59,7 @@ async def _call(http: httpx.AsyncClient, method: str, path: str, **kwargs: objec
     return response.content
 
 
-def _decode(content: bytes, kind: type[T]) -> T:
+def decode(content: bytes, kind: type[T]) -> T:
     try:
         return msgspec.json.decode(content, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
@@ -127,8 +128,8 @@ async def enqueue(
 async def _enqueue_one(
     http: httpx.AsyncClient, headers: dict[str, str], body: dict[str, object]
 ) -> UUID:
-    answer = _decode(
-        await _call(http, "POST", "/v1/jobs", json=body, headers=headers), EnqueueResponse
+    answer = decode(
+        await call(http, "POST", "/v1/jobs", json=body, headers=headers), EnqueueResponse
     )
     return answer.results[0].job_execution_id
 
@@ -141,7 +142,7 @@ async def _until_ended(
     pause = _FIRST_POLL_SECONDS
     with anyio.move_on_after(give_up_after if give_up_after > 0 else float("inf")):
         while True:
-            state = _decode(await _call(http, "GET", path, headers=headers), ExecutionState)
+            state = decode(await call(http, "GET", path, headers=headers), ExecutionState)
             if state.state == "ended":
                 return state
             await anyio.sleep(pause)
@@ -158,7 +159,7 @@ async def _interrupted(
             f"`controlplane jobs cancel {execution}`"
         )
         return 130
-    await _call(
+    await call(
         http,
         "POST",
         f"/v1/jobs/{execution}/outcome",
@@ -217,10 +218,10 @@ def labels_table(queue: QueueOut) -> str | None:
         )
         for group in item.labels
     ]
-    return _table(["QUEUED_IN", "LABELS", "PENDING", "RUNNING"], rows) if rows else None
+    return table(["QUEUED_IN", "LABELS", "PENDING", "RUNNING"], rows) if rows else None
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -228,7 +229,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     )
 
 
-def _when(moment: datetime | None) -> str:
+def when(moment: datetime | None) -> str:
     return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -240,19 +241,19 @@ def fleet_tables(
     tables = []
     if provisioners.items:
         rows = [
-            [p.name.replace(" ", "_"), p.scope, str(p.workspace_id or "-"), _when(p.last_seen_at)]
+            [p.name.replace(" ", "_"), p.scope, str(p.workspace_id or "-"), when(p.last_seen_at)]
             for p in provisioners.items
         ]
-        tables.append(_table(["PROVISIONER", "SCOPE", "WORKSPACE", "LAST_SEEN"], rows))
+        tables.append(table(["PROVISIONER", "SCOPE", "WORKSPACE", "LAST_SEEN"], rows))
     if reservations.items:
         rows = [
-            [str(r.workspace_id), ",".join(r.labels), r.kind, str(r.units), _when(r.next_expiry)]
+            [str(r.workspace_id), ",".join(r.labels), r.kind, str(r.units), when(r.next_expiry)]
             for r in reservations.items
         ]
-        tables.append(_table(["RESERVED_IN", "LABELS", "KIND", "UNITS", "NEXT_EXPIRY"], rows))
+        tables.append(table(["RESERVED_IN", "LABELS", "KIND", "UNITS", "NEXT_EXPIRY"], rows))
     if counts.states:
         rows = [[c.state, str(c.count)] for c in counts.states]
-        tables.append(_table(["INSTANCE_STATE", "COUNT"], rows))
+        tables.append(table(["INSTANCE_STATE", "COUNT"], rows))
     return tables
 
 
@@ -263,10 +264,8 @@ async def _active_provisioners(
     found = ProvisionerTokenList(items=[], next_cursor=None)
     params: dict[str, str] = {"active": "true", "limit": "100"}
     while True:
-        page = _decode(
-            await _call(
-                http, "GET", "/v1/admin/provisioner-tokens", headers=headers, params=params
-            ),
+        page = decode(
+            await call(http, "GET", "/v1/admin/provisioner-tokens", headers=headers, params=params),
             ProvisionerTokenList,
         )
         found.items += page.items
@@ -275,27 +274,45 @@ async def _active_provisioners(
         params["cursor"] = page.next_cursor
 
 
+def stuck_table(groups: PendingGroupList) -> str | None:
+    """Pending label sets nothing can take, with the labels nobody offers; None when none."""
+    rows = [
+        [str(group.workspace_id), ",".join(group.labels), str(group.pending),
+         ",".join(group.waiting.missing_labels) or "-", group.waiting.reason]
+        for group in groups.items
+        if group.waiting.stuck
+    ]  # fmt: skip
+    if not rows:
+        return None
+    return table(["STUCK_IN", "LABELS", "PENDING", "MISSING", "WHY"], rows)
+
+
 async def status(url: str, key: str) -> int:
     headers = api.bearer(key)
     async with api.client(url) as http:
-        content = await _call(http, "GET", "/v1/admin/queue", headers=headers)
-        queue = _decode(content, QueueOut)
-        provisioners = await _active_provisioners(http, headers)
-        reservations = _decode(
-            await _call(http, "GET", "/v1/admin/reservations", headers=headers), ReservationList
+        content = await call(http, "GET", "/v1/admin/queue", headers=headers)
+        queue = decode(content, QueueOut)
+        pending = decode(
+            await call(http, "GET", "/v1/admin/queue/pending", headers=headers), PendingGroupList
         )
-        counts = _decode(
-            await _call(http, "GET", "/v1/admin/runner-instances/counts", headers=headers),
+        provisioners = await _active_provisioners(http, headers)
+        reservations = decode(
+            await call(http, "GET", "/v1/admin/reservations", headers=headers), ReservationList
+        )
+        counts = decode(
+            await call(http, "GET", "/v1/admin/runner-instances/counts", headers=headers),
             RunnerInstanceCounts,
         )
     _say(queue_table(queue))
     by_labels = labels_table(queue)
-    for table in [
+    stuck = stuck_table(pending)
+    for section in [
+        *([stuck] if stuck else []),
         *([by_labels] if by_labels else []),
         *fleet_tables(provisioners, reservations, counts),
     ]:
         _say("")
-        _say(table)
+        _say(section)
     return 0
 
 

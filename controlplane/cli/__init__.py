@@ -164,6 +164,8 @@ example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait --
     status.add_argument("--key", help="admin API key (cp_adm_…); default $CONTROLPLANE_ADMIN_KEY")
     status.set_defaults(client="clients:_cmd_status")
 
+    _admin_commands(commands, url_help)
+
     provisioner = commands.add_parser(
         "provisioner",
         help="run a provisioner",
@@ -215,6 +217,88 @@ another process takes the token over (close 4401/4403/4404/4406/4409).""",
         help="send SIGTERM to the runners when the provisioner stops (default: leave them)",
     )
     local.set_defaults(client="clients:_cmd_provisioner_local")
+
+
+def _admin_options(command: argparse.ArgumentParser, url_help: str) -> None:
+    command.add_argument("--url", **_from_env("CONTROLPLANE_URL"), help=url_help)
+    command.add_argument("--key", help="admin API key (cp_adm_…); default $CONTROLPLANE_ADMIN_KEY")
+    command.add_argument(
+        "--json", action="store_true", help="print the API's JSON instead of a table"
+    )
+
+
+def _admin_commands(commands: Any, url_help: str) -> None:
+    """jobs, runners and provisioners: what an operator looks at and steers (admin key)."""
+    jobs = commands.add_parser(
+        "jobs",
+        help="list, show or cancel job executions",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Job executions across the queue (pending), the runners (running) and the tombstones (ended).
+
+examples:
+  controlplane jobs list --status pending --labels linux
+  controlplane jobs show 59ef630e-144a-4ff9-abbe-69642a043207
+  controlplane jobs cancel 59ef630e-144a-4ff9-abbe-69642a043207""",
+    )
+    actions = jobs.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="newest change first: enqueued, started or ended")
+    _admin_options(listing, url_help)
+    listing.add_argument("--workspace", type=UUID, help="only this workspace")
+    listing.add_argument(
+        "--status", choices=["pending", "running", "ended"], help="only executions in this state"
+    )
+    listing.add_argument(
+        "--labels",
+        help="comma-separated: only pending and running executions requiring all of them "
+        "(ended ones keep no labels)",
+    )
+    listing.add_argument(
+        "--limit", type=int, default=50, help="at most this many (1-1000, default 50)"
+    )
+    listing.set_defaults(client="clients:_cmd_jobs_list")
+    show = actions.add_parser(
+        "show",
+        help="one execution: timestamps, runner, outcome, exit code, output tail, and for a "
+        "pending one why it waits",
+    )
+    _admin_options(show, url_help)
+    show.add_argument("id", type=UUID, help="the job execution id")
+    show.set_defaults(client="clients:_cmd_jobs_show")
+    cancel = actions.add_parser(
+        "cancel", help="cancel an execution: pending leaves the queue, running is told to stop"
+    )
+    _admin_options(cancel, url_help)
+    cancel.add_argument("id", type=UUID, help="the job execution id")
+    cancel.set_defaults(client="clients:_cmd_jobs_cancel")
+
+    runners = commands.add_parser("runners", help="list runners seen recently")
+    runner_actions = runners.add_subparsers(dest="action", required=True, metavar="ACTION")
+    runner_list = runner_actions.add_parser(
+        "list", help="runner sessions seen recently, busy or idle (manual and provisioned)"
+    )
+    _admin_options(runner_list, url_help)
+    runner_list.add_argument("--workspace", type=UUID, help="only this workspace")
+    runner_list.add_argument(
+        "--window",
+        type=int,
+        default=60,
+        help="seen within this many seconds (1-86400, default 60)",
+    )
+    runner_list.set_defaults(client="clients:_cmd_runners_list")
+
+    provisioners = commands.add_parser("provisioners", help="list provisioners")
+    provisioner_actions = provisioners.add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    provisioner_list = provisioner_actions.add_parser(
+        "list", help="provisioners seen in the last 120 s (--all: every token)"
+    )
+    _admin_options(provisioner_list, url_help)
+    provisioner_list.add_argument(
+        "--all", action="store_true", help="every provisioner token, revoked ones included"
+    )
+    provisioner_list.set_defaults(client="clients:_cmd_provisioners_list")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -108,5 +108,65 @@ def _cmd_provisioner_local(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from controlplane.agent import queue_client
 
-    key = _secret(args.key, "CONTROLPLANE_ADMIN_KEY", "cp_adm_", "an admin key")
+    key = _admin_key(args)
     return anyio.run(lambda: queue_client.status(args.url, key))
+
+
+def _admin_key(args: argparse.Namespace) -> str:
+    return _secret(args.key, "CONTROLPLANE_ADMIN_KEY", "cp_adm_", "an admin key")
+
+
+def _cmd_jobs_list(args: argparse.Namespace) -> int:
+    from controlplane.agent import admin_client
+
+    if not 1 <= args.limit <= 1000:
+        raise InvalidInput("--limit must be between 1 and 1000")
+    return anyio.run(
+        lambda: admin_client.jobs_list(
+            args.url,
+            _admin_key(args),
+            workspace=args.workspace,
+            status=args.status,
+            labels=None if args.labels is None else _labels(args.labels),
+            limit=args.limit,
+            as_json=args.json,
+        )
+    )
+
+
+def _cmd_jobs_show(args: argparse.Namespace) -> int:
+    from controlplane.agent import admin_client
+
+    key = _admin_key(args)
+    return anyio.run(lambda: admin_client.jobs_show(args.url, key, args.id, as_json=args.json))
+
+
+def _cmd_jobs_cancel(args: argparse.Namespace) -> int:
+    from controlplane.agent import admin_client
+
+    key = _admin_key(args)
+    return anyio.run(lambda: admin_client.jobs_cancel(args.url, key, args.id, as_json=args.json))
+
+
+def _cmd_runners_list(args: argparse.Namespace) -> int:
+    from controlplane.agent import admin_client
+
+    if not 1 <= args.window <= 86_400:
+        raise InvalidInput("--window must be between 1 and 86400 seconds")
+    key = _admin_key(args)
+    return anyio.run(
+        lambda: admin_client.runners_list(
+            args.url, key, workspace=args.workspace, window=args.window, as_json=args.json
+        )
+    )
+
+
+def _cmd_provisioners_list(args: argparse.Namespace) -> int:
+    from controlplane.agent import admin_client
+
+    key = _admin_key(args)
+    return anyio.run(
+        lambda: admin_client.provisioners_list(
+            args.url, key, everything=args.all, as_json=args.json
+        )
+    )
