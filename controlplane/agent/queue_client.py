@@ -140,11 +140,20 @@ async def _until_ended(
     """The execution's state once it has ended; None past `give_up_after` (0: no limit)."""
     path = f"/v1/jobs/{execution}"
     pause = _FIRST_POLL_SECONDS
+    warned = False
     with anyio.move_on_after(give_up_after if give_up_after > 0 else float("inf")):
         while True:
             state = decode(await call(http, "GET", path, headers=headers), ExecutionState)
             if state.state == "ended":
                 return state
+            if state.waiting is not None and state.waiting.stuck and not warned:
+                # Said once: it may still be taken if a runner or provisioner with its labels
+                # comes along, so we keep waiting, but the person at the terminal should know.
+                _warn(
+                    f"{execution} is stuck: {state.waiting.reason}; still waiting "
+                    "(Ctrl-C stops waiting, --timeout S gives up)"
+                )
+                warned = True
             await anyio.sleep(pause)
             pause = min(pause * 2, _MAX_POLL_SECONDS)
     return None

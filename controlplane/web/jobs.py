@@ -43,7 +43,7 @@ def _job(view: job_views.JobView) -> wire.JobOut:
     )
 
 
-def _waiting(waiting: Waiting, takers: Takers) -> wire.WaitingOut:
+def waiting_out(waiting: Waiting, takers: Takers) -> wire.WaitingOut:
     return wire.WaitingOut(
         stuck=waiting.stuck,
         missing_labels=list(waiting.missing_labels),
@@ -102,7 +102,7 @@ async def show_job(request: Request) -> Response:
             takers = await job_views.takers(
                 conn, view.workspace_id, view.required_labels, TAKER_WINDOW
             )
-            waiting = _waiting(why_waiting(view.required_labels, takers), takers)
+            waiting = waiting_out(why_waiting(view.required_labels, takers), takers)
     return json_response(
         wire.JobDetail(job=_job(view), output_tail=view.output_tail, waiting=waiting)
     )
@@ -144,7 +144,7 @@ async def pending_groups(request: Request) -> Response:
                     labels=list(group.required_labels),
                     pending=group.pending,
                     oldest_enqueued_at=group.oldest_enqueued_at,
-                    waiting=_waiting(
+                    waiting=waiting_out(
                         why_waiting(group.required_labels, group.takers), group.takers
                     ),
                 )

@@ -102,8 +102,15 @@ async def test_status_prints_the_queue_per_workspace(
             "status", "--url", daemon.address, CONTROLPLANE_ADMIN_KEY=creds.admin_key
         )
     assert shown.returncode == 0, shown.stderr
-    queue, by_labels = [
+    queue, stuck, by_labels = [
         [line.split() for line in block.splitlines()] for block in shown.stdout.split("\n\n")
+    ]
+    # No runner and no provisioner in either workspace: every pending label set is stuck, and
+    # since nothing is offered at all, its every label is missing.
+    assert [row[:4] for row in stuck] == [
+        ["STUCK_IN", "LABELS", "PENDING", "MISSING"],
+        [str(creds.workspace), "linux", "2", "linux"],
+        [str(other.workspace), "linux", "1", "linux"],
     ]
     assert queue == [
         ["WORKSPACE", "PENDING", "RUNNING"],
@@ -224,3 +231,22 @@ async def test_ctrl_c_on_wait_with_cancel_on_interrupt_cancels_the_job(
             "cancelled",
             "orchestrator",
         )
+
+
+async def test_wait_on_a_job_nothing_can_take_says_so(
+    spawn_daemon: SpawnDaemon, database_url: str
+) -> None:
+    creds = await agents.make_credentials(database_url)
+    async with spawn_daemon() as daemon:
+        ran = await agents.run_client(
+            "enqueue", "--url", daemon.address, "--workspace", str(creds.workspace),
+            "--labels", "linux,gpu", "--wait", "--timeout", "2", "--", "true",
+            CONTROLPLANE_ORCHESTRATOR_KEY=creds.orchestrator_key,
+        )  # fmt: skip
+    execution = ran.stdout.strip()
+    assert ran.returncode == 2  # gave up at the timeout
+    assert (
+        f"{execution} is stuck: no live runner or connected provisioner offers gpu, linux"
+        in ran.stderr
+    )
+    assert ran.stderr.count("is stuck") == 1

@@ -378,6 +378,14 @@ async def test_execution_state_follows_the_execution_from_pending_to_ended(api: 
         "cancel_requested": False,
         "exit_code": None,
         "output_tail": None,
+        "waiting": {
+            "stuck": True,
+            "missing_labels": ["linux"],
+            "reason": "no live runner or connected provisioner offers linux",
+            "live_runners": 0,
+            "busy_runners": 0,
+            "templates": 0,
+        },
     }
     claimed = await api.request_job(await api.register())
     assert claimed.status_code == 200
