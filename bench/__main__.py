@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from bench import demand, dispatch, peers, report, scale, soak, throughput
+from bench import cli_startup, demand, dispatch, peers, report, scale, soak, throughput
 
 Bench = Callable[[], Awaitable[object]]
 
@@ -17,6 +17,7 @@ BENCHES: dict[str, Bench] = {
     "demand": demand.run,
     "throughput": throughput.run,
     "scale": scale.run,
+    "cli_startup": cli_startup.run,
 }
 EXPLICIT: dict[str, Bench] = {"soak": soak.run, "peers": peers.run}
 

@@ -284,6 +284,23 @@ def _demand(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _cli_startup(result: dict[str, Any]) -> list[str]:
+    lines = [
+        "## CLI start-up (a fresh process per run, until it exits)",
+        "",
+        f"Machine: {_machine(result)}. Medians of {result['rounds']} rounds, each command "
+        "interleaved with the baseline. Target: under 0.3 s.",
+        "",
+        "| command | median s | max s | median / baseline |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, row in result["commands"].items():
+        lines.append(
+            f"| {name} | {row['median_s']} | {row['max_s']} | {row['ratio_to_baseline']} |"
+        )
+    return [*lines, ""]
+
+
 RENDERERS = {
     "dispatch": _dispatch,
     "demand": _demand,
@@ -291,6 +308,7 @@ RENDERERS = {
     "peers": _peers,
     "scale": _scale,
     "soak": _soak,
+    "cli_startup": _cli_startup,
 }
 
 

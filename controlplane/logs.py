@@ -12,7 +12,13 @@ from typing import Any
 
 import msgspec
 
-_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+# Record attributes that are not ours to log: the standard ones, and uvicorn's `color_message`
+# (its message again, with terminal colour codes, for its own console formatter).
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
+    "message",
+    "asctime",
+    "color_message",
+}
 _TOKEN = re.compile(r"cp_[a-z]{2,3}_[A-Za-z0-9_.\-]{16,}")
 _encoder = msgspec.json.Encoder()
 
@@ -33,7 +39,8 @@ class JsonFormatter(logging.Formatter):
         }
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
-                entry[key] = _mask(value if isinstance(value, int | float | bool) else str(value))
+                plain = value is None or isinstance(value, int | float | bool)
+                entry[key] = value if plain else _mask(str(value))
         if record.exc_info:
             entry["exception"] = _mask(self.formatException(record.exc_info))
         return _encoder.encode(entry).decode()

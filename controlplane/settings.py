@@ -65,6 +65,7 @@ class Runners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lease_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=30, le=86_400)] = 900
     manual_session_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 30
     capped_session_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 7
+    output_tail_bytes: Annotated[int, msgspec.Meta(ge=0, le=1024 * 1024)] = 16 * 1024
 
 
 class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -130,6 +131,24 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return parse_reserved(self.runners.reserved_labels)
 
 
+# Variables the client commands read (`enqueue`, `status`, `runner`, `provisioner local`, ...), and
+# those a runner sets for its job. `dev` writes several of them to var/dev.env for a second shell,
+# so a shell that sourced it must still start a server: they are not settings, and not typos.
+CLIENT_VARIABLES = frozenset(
+    {
+        "CONTROLPLANE_URL",
+        "CONTROLPLANE_WORKSPACE",
+        "CONTROLPLANE_ORCHESTRATOR_KEY",
+        "CONTROLPLANE_ADMIN_KEY",
+        "CONTROLPLANE_RUNNER_TOKEN",
+        "CONTROLPLANE_BOOTSTRAP_TOKEN",
+        "CONTROLPLANE_PROVISIONER_TOKEN",
+        "CONTROLPLANE_JOB_EXECUTION_ID",
+        "CONTROLPLANE_JOB_ID",
+    }
+)
+
+
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
     overrides: dict[str, dict[str, str]] = {}
     known = {field.name: field.type for field in msgspec.structs.fields(Settings)}
@@ -137,6 +156,8 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
         overrides.setdefault("database", {})["url"] = environ["DATABASE_URL"]
     for name, value in environ.items():
         if not name.startswith("CONTROLPLANE_") or name == "CONTROLPLANE_CONFIG":
+            continue
+        if name in CLIENT_VARIABLES:
             continue
         rest = name.removeprefix("CONTROLPLANE_").lower()
         section, _, knob = rest.partition("_")
@@ -228,9 +249,11 @@ def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> 
 
 
 def _knob_message(error: msgspec.ValidationError) -> str:
-    # msgspec says "... - at `$.runners.long_poll_max_seconds`"; lead with the knob's name.
+    # msgspec says "... - at `$.runners.long_poll_max_seconds`", or "... - at `$`" for the top
+    # level, or nothing after the message; lead with the section or knob's name when there is one.
     text = str(error)
-    message, _, where = text.rpartition(" - at `$.")
-    if not where:
+    message, marker, where = text.rpartition(" - at `$")
+    if not marker:
         return text
-    return f"{where.rstrip('`')}: {message}"
+    where = where.removeprefix(".").removesuffix("`")
+    return f"{where}: {message}" if where else message

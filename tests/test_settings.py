@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -121,3 +122,56 @@ def test_s98_the_stale_runner_threshold_must_exceed_both_throttles(throttle: str
 def test_s100_the_assignment_wait_must_be_at_least_a_second() -> None:
     with pytest.raises(ConfigError, match="assignment_poll_max_wait_seconds"):
         settings.load(environ={"CONTROLPLANE_PROVISIONERS_ASSIGNMENT_POLL_MAX_WAIT_SECONDS": "0"})
+
+
+def test_the_client_commands_variables_do_not_trip_the_server() -> None:
+    """A shell that sourced var/dev.env holds every client variable; the server ignores them."""
+    environ = dict.fromkeys(settings.CLIENT_VARIABLES, "x")
+    assert settings.load(environ=environ) == settings.load(environ={})
+
+
+def test_a_mistyped_setting_is_still_refused() -> None:
+    environ = dict.fromkeys(settings.CLIENT_VARIABLES, "x")
+    with pytest.raises(ConfigError, match="CONTROLPLANE_SERVER_PROT"):
+        settings.load(environ={**environ, "CONTROLPLANE_SERVER_PROT": "9000"})
+
+
+def test_every_variable_a_command_reads_is_a_setting_or_declared_for_clients() -> None:
+    """The clients' variables are named in source; each must be known to the settings loader,
+    or a shell that exports it could not start a server."""
+    package = Path(settings.__file__).parent
+    sources = [
+        package / "dev.py",
+        *sorted((package / "cli").glob("*.py")),
+        *sorted((package / "agent").glob("*.py")),
+    ]
+    named = {
+        name
+        for source in sources
+        for name in re.findall(r"\bCONTROLPLANE_[A-Z_]+\b", source.read_text())
+    }
+    assert named, "no variable found: the pattern is wrong"
+    for name in sorted(named - settings.CLIENT_VARIABLES - {"CONTROLPLANE_CONFIG"}):
+        assert _is_setting(name), f"{name} is read by a command but unknown to the settings"
+
+
+def _is_setting(name: str) -> bool:
+    section, _, knob = name.removeprefix("CONTROLPLANE_").lower().partition("_")
+    fields = {f.name: f.type for f in msgspec.structs.fields(settings.Settings)}
+    return section in fields and knob in {f.name for f in msgspec.structs.fields(fields[section])}
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[serverr]\nport = 1\n", "invalid setting: Object contains unknown field `serverr`"),
+        ("[server]\nprot = 1\n", "invalid setting: server: Object contains unknown field `prot`"),
+        ('[server]\nport = "x"\n', "invalid setting: server.port: Expected `int`, got `str`"),
+    ],
+)
+def test_a_bad_config_file_is_named_plainly(tmp_path: Path, toml: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as refused:
+        settings.load(path, environ={})
+    assert refused.value.message == message

@@ -37,7 +37,26 @@ def describe(response: httpx.Response) -> str:
     return f"HTTP {response.status_code} {error.code}: {error.message}"
 
 
+def base_url(url: str) -> str:
+    """The daemon's base URL, refused early when it cannot work: httpx would otherwise fail on
+    the first request with a bare `UnsupportedProtocol`."""
+    scheme, separator, rest = url.partition("://")
+    if not separator or scheme.lower() not in ("http", "https") or not rest.strip("/"):
+        raise ApiError(
+            f"the control plane URL must look like http://HOST:PORT (got {url!r}); "
+            "pass --url or set CONTROLPLANE_URL"
+        )
+    return url.rstrip("/")
+
+
+def unreachable(url: str, error: httpx.TransportError) -> str:
+    """Why a request did not reach the daemon, naming it: `ConnectError` alone says neither."""
+    reason = str(error) or type(error).__name__
+    if isinstance(error, httpx.TimeoutException):
+        reason = f"no answer in time ({type(error).__name__})"
+    return f"cannot reach the control plane at {url}: {reason}"
+
+
 def client(url: str, *, timeout: float = 10.0) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        base_url=url.rstrip("/"), timeout=timeout, headers={"User-Agent": USER_AGENT}
-    )
+    url = base_url(url)
+    return httpx.AsyncClient(base_url=url, timeout=timeout, headers={"User-Agent": USER_AGENT})

@@ -4,7 +4,9 @@ renews the lease and hears a cancel at once, the kill, and the completion.
 The payload a runner understands is `{"script": "<shell>", "env": {"NAME": "value"}}` (`env`
 optional, nothing else allowed). The script runs as `/bin/sh -c <script>` in a fresh temporary
 directory, with a minimal environment (a few variables of the runner's own, never its token),
-the job's ids, and the payload's `env` on top. Its stdout and stderr go to the runner's stdout.
+the job's ids, and the payload's `env` on top. Its stdout and stderr go to the runner's stdout,
+and the last bytes of them (as many as the server keeps, `output_tail_bytes`) go back with the
+completion, so whoever enqueued the job sees how it ended.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -26,11 +29,15 @@ from anyio.abc import Process
 
 from controlplane.agent.api import bearer, describe, error_code
 from controlplane.agent.backoff import Backoff
+from controlplane.domain.output import OutputTail
 from controlplane.wire.runners import CompleteResponse, HeartbeatResponse, JobResponse
 
 log = logging.getLogger("controlplane.agent.job")
 
 TERM_GRACE_SECONDS = 2.0
+# After the script's group is gone, how long its output may still take to drain: a process that
+# left the group (setsid) and kept the pipe open must not hold the completion for ever.
+OUTPUT_DRAIN_SECONDS = 2.0
 COMPLETE_ATTEMPTS = 5
 _TRANSPORT_MARGIN_SECONDS = 10.0
 _INHERITED = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME")
@@ -84,6 +91,7 @@ class JobRun:
         self.aborted: Abort | None = None
         self._wake = anyio.Event()
         self._ids = {"job_execution_id": str(job.job_execution_id)}
+        self.output = OutputTail(job.output_tail_bytes)
 
     def abort(self, reason: Abort) -> None:
         if self.aborted is None:
@@ -102,19 +110,25 @@ class JobRun:
             process = await anyio.open_process(
                 ["/bin/sh", "-c", payload.script],
                 stdin=subprocess.DEVNULL,
-                stdout=None,
+                stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 cwd=workdir,
                 env=job_environment(payload.env, self.job, os.environ),
                 start_new_session=True,
             )
             log.info("job.started", extra={**self._ids, "pid": process.pid})
-            try:
-                await self._supervise(process)
-            finally:
-                # Whatever the script left behind in its group goes with it, also on cancel.
-                _signal_group(process.pid, signal.SIGKILL)
-            await process.wait()
+            drained = anyio.Event()
+            async with anyio.create_task_group() as pumping:
+                pumping.start_soon(self._pump, process, drained)
+                try:
+                    await self._supervise(process)
+                finally:
+                    # Whatever the script left behind in its group goes with it, also on cancel.
+                    _signal_group(process.pid, signal.SIGKILL)
+                await process.wait()
+                with anyio.move_on_after(OUTPUT_DRAIN_SECONDS):
+                    await drained.wait()
+                pumping.cancel_scope.cancel()
         if self.aborted is Abort.ORPHANED:
             log.warning("job.orphaned", extra=self._ids)
         elif self.aborted is not None:
@@ -123,6 +137,19 @@ class JobRun:
             assert process.returncode is not None
             code = exit_code_of(process.returncode)
             await self._complete("succeeded" if code == 0 else "failed", code)
+
+    async def _pump(self, process: Process, drained: anyio.Event) -> None:
+        """The script's output to our stdout as it comes, and into the tail."""
+        assert process.stdout is not None
+        out = sys.stdout.buffer
+        try:
+            async for chunk in process.stdout:
+                out.write(chunk)
+                out.flush()
+                self.output.feed(chunk)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        drained.set()
 
     async def _supervise(self, process: Process) -> None:
         async def watch_exit() -> None:
@@ -194,6 +221,8 @@ class JobRun:
         body: dict[str, Any] = {"outcome": outcome}
         if exit_code is not None:
             body["exit_code"] = max(-255, min(255, exit_code))
+        if self.job.output_tail_bytes > 0:
+            body["output_tail"] = self.output.text()
         extra = {**self._ids, "outcome": outcome, "exit_code": exit_code}
         backoff = Backoff()
         for _ in range(COMPLETE_ATTEMPTS):

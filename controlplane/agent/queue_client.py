@@ -4,6 +4,7 @@ the provisioned fleet."""
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -14,9 +15,11 @@ from uuid import UUID
 import anyio
 import httpx
 import msgspec
+from anyio.abc import TaskStatus
 
 from controlplane.agent import api
 from controlplane.wire.admin import QueueOut, ReservationList, RunnerInstanceCounts
+from controlplane.wire.jobs import PendingGroupList
 from controlplane.wire.orchestrator import EnqueueResponse, ExecutionState
 from controlplane.wire.provisioners import ProvisionerTokenList
 
@@ -46,17 +49,17 @@ def enqueue_body(
     }
 
 
-async def _call(http: httpx.AsyncClient, method: str, path: str, **kwargs: object) -> bytes:
+async def call(http: httpx.AsyncClient, method: str, path: str, **kwargs: object) -> bytes:
     try:
         response = await http.request(method, path, **kwargs)  # type: ignore[arg-type]
     except httpx.TransportError as error:
-        raise api.ApiError(f"cannot reach {http.base_url}: {type(error).__name__}") from error
+        raise api.ApiError(api.unreachable(str(http.base_url).rstrip("/"), error)) from error
     if response.status_code != 200:
         raise api.ApiError(f"{method} {path}: {api.describe(response)}")
     return response.content
 
 
-def _decode(content: bytes, kind: type[T]) -> T:
+def decode(content: bytes, kind: type[T]) -> T:
     try:
         return msgspec.json.decode(content, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
@@ -72,33 +75,132 @@ async def enqueue(
     *,
     wait: bool,
     give_up_after: float,
+    cancel_on_interrupt: bool = False,
 ) -> int:
-    """Print the new execution's id; with `wait`, follow it to its end and print the outcome.
-    Exit status: 0 when enqueued (or, with `wait`, when it succeeded), 1 otherwise."""
+    """Print the new execution's id. With `wait`, follow it to its end, print the end of its
+    output and its outcome, and exit as the job did: its exit code when it has one, else 0 for
+    success and 1 otherwise; 2 when we gave up waiting. Ctrl-C while waiting leaves the job
+    running (and says how to cancel it), or cancels it with `cancel_on_interrupt`."""
     body = enqueue_body(workspace, labels, command, datetime.now(UTC))
     async with api.client(url) as http:
         headers = api.bearer(key)
-        answer = _decode(
-            await _call(http, "POST", "/v1/jobs", json=body, headers=headers), EnqueueResponse
-        )
-        result = answer.results[0]
-        _say(str(result.job_execution_id))
         if not wait:
+            _say(str(await _enqueue_one(http, headers, body)))
             return 0
-        path = f"/v1/jobs/{result.job_execution_id}"
-        pause = _FIRST_POLL_SECONDS
+        execution: UUID | None = None
+        interrupted = False
         state: ExecutionState | None = None
-        with anyio.move_on_after(give_up_after if give_up_after > 0 else float("inf")) as deadline:
-            while True:
-                state = _decode(await _call(http, "GET", path, headers=headers), ExecutionState)
-                if state.state == "ended":
-                    break
-                await anyio.sleep(pause)
-                pause = min(pause * 2, _MAX_POLL_SECONDS)
-        if deadline.cancelled_caught or state is None:
-            raise api.ApiError(f"gave up waiting after {give_up_after:g} s; the job has not ended")
-    _say(f"outcome: {state.outcome}")
+        async with anyio.create_task_group() as group:
+
+            async def on_interrupt(*, task_status: TaskStatus[None]) -> None:
+                nonlocal interrupted
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    task_status.started()
+                    async for _ in signals:
+                        interrupted = True
+                        group.cancel_scope.cancel()
+                        return
+
+            async def follow() -> None:
+                nonlocal execution, state
+                execution = await _enqueue_one(http, headers, body)
+                _say(str(execution))
+                state = await _until_ended(http, headers, execution, give_up_after)
+                group.cancel_scope.cancel()
+
+            # Ctrl-C is ours from before the job exists, so it never meets a default handler.
+            await group.start(on_interrupt)
+            group.start_soon(follow)
+        if interrupted:
+            if execution is None:
+                _warn("interrupted before the job was enqueued")
+                return 130
+            return await _interrupted(http, headers, execution, cancel_on_interrupt)
+        assert execution is not None
+        if state is None:
+            raise api.ApiError(
+                f"gave up waiting after {give_up_after:g} s; {execution} has not ended "
+                f"(`controlplane jobs show {execution}` follows it)"
+            )
+    return _report(state)
+
+
+async def _enqueue_one(
+    http: httpx.AsyncClient, headers: dict[str, str], body: dict[str, object]
+) -> UUID:
+    answer = decode(
+        await call(http, "POST", "/v1/jobs", json=body, headers=headers), EnqueueResponse
+    )
+    return answer.results[0].job_execution_id
+
+
+async def _until_ended(
+    http: httpx.AsyncClient, headers: dict[str, str], execution: UUID, give_up_after: float
+) -> ExecutionState | None:
+    """The execution's state once it has ended; None past `give_up_after` (0: no limit)."""
+    path = f"/v1/jobs/{execution}"
+    pause = _FIRST_POLL_SECONDS
+    warned = False
+    with anyio.move_on_after(give_up_after if give_up_after > 0 else float("inf")):
+        while True:
+            state = decode(await call(http, "GET", path, headers=headers), ExecutionState)
+            if state.state == "ended":
+                return state
+            if state.waiting is not None and state.waiting.stuck and not warned:
+                # Said once: it may still be taken if a runner or provisioner with its labels
+                # comes along, so we keep waiting, but the person at the terminal should know.
+                _warn(
+                    f"{execution} is stuck: {state.waiting.reason}; still waiting "
+                    "(Ctrl-C stops waiting, --timeout S gives up)"
+                )
+                warned = True
+            await anyio.sleep(pause)
+            pause = min(pause * 2, _MAX_POLL_SECONDS)
+    return None
+
+
+async def _interrupted(
+    http: httpx.AsyncClient, headers: dict[str, str], execution: UUID, cancel: bool
+) -> int:
+    if not cancel:
+        _warn(
+            f"stopped waiting; {execution} goes on. Cancel it with "
+            f"`controlplane jobs cancel {execution}`"
+        )
+        return 130
+    await call(
+        http,
+        "POST",
+        f"/v1/jobs/{execution}/outcome",
+        json={"status": "cancelled", "reason": "interrupted while waiting (enqueue --wait)"},
+        headers=headers,
+    )
+    _warn(f"cancelled {execution}")
+    return 130
+
+
+def exit_status(state: ExecutionState) -> int:
+    """What `enqueue --wait` exits with: the job's own exit code when it reported one (a shell's
+    0..255), else 0 for success and 1 for anything else."""
+    if state.exit_code is not None and 0 <= state.exit_code <= 255:
+        return state.exit_code
     return 0 if state.outcome == "succeeded" else 1
+
+
+def _report(state: ExecutionState) -> int:
+    if state.output_tail:
+        sys.stdout.write(
+            state.output_tail if state.output_tail.endswith("\n") else state.output_tail + "\n"
+        )
+    code = exit_status(state)
+    detail = f" (exit code {state.exit_code})" if state.exit_code not in (None, 0) else ""
+    _say(f"outcome: {state.outcome}{detail}")
+    return code
+
+
+def _warn(line: str) -> None:
+    sys.stderr.write(f"controlplane: {line}\n")
+    sys.stderr.flush()
 
 
 def queue_table(queue: QueueOut) -> str:
@@ -125,10 +227,10 @@ def labels_table(queue: QueueOut) -> str | None:
         )
         for group in item.labels
     ]
-    return _table(["QUEUED_IN", "LABELS", "PENDING", "RUNNING"], rows) if rows else None
+    return table(["QUEUED_IN", "LABELS", "PENDING", "RUNNING"], rows) if rows else None
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -136,7 +238,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     )
 
 
-def _when(moment: datetime | None) -> str:
+def when(moment: datetime | None) -> str:
     return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -148,19 +250,19 @@ def fleet_tables(
     tables = []
     if provisioners.items:
         rows = [
-            [p.name.replace(" ", "_"), p.scope, str(p.workspace_id or "-"), _when(p.last_seen_at)]
+            [p.name.replace(" ", "_"), p.scope, str(p.workspace_id or "-"), when(p.last_seen_at)]
             for p in provisioners.items
         ]
-        tables.append(_table(["PROVISIONER", "SCOPE", "WORKSPACE", "LAST_SEEN"], rows))
+        tables.append(table(["PROVISIONER", "SCOPE", "WORKSPACE", "LAST_SEEN"], rows))
     if reservations.items:
         rows = [
-            [str(r.workspace_id), ",".join(r.labels), r.kind, str(r.units), _when(r.next_expiry)]
+            [str(r.workspace_id), ",".join(r.labels), r.kind, str(r.units), when(r.next_expiry)]
             for r in reservations.items
         ]
-        tables.append(_table(["RESERVED_IN", "LABELS", "KIND", "UNITS", "NEXT_EXPIRY"], rows))
+        tables.append(table(["RESERVED_IN", "LABELS", "KIND", "UNITS", "NEXT_EXPIRY"], rows))
     if counts.states:
         rows = [[c.state, str(c.count)] for c in counts.states]
-        tables.append(_table(["INSTANCE_STATE", "COUNT"], rows))
+        tables.append(table(["INSTANCE_STATE", "COUNT"], rows))
     return tables
 
 
@@ -171,10 +273,8 @@ async def _active_provisioners(
     found = ProvisionerTokenList(items=[], next_cursor=None)
     params: dict[str, str] = {"active": "true", "limit": "100"}
     while True:
-        page = _decode(
-            await _call(
-                http, "GET", "/v1/admin/provisioner-tokens", headers=headers, params=params
-            ),
+        page = decode(
+            await call(http, "GET", "/v1/admin/provisioner-tokens", headers=headers, params=params),
             ProvisionerTokenList,
         )
         found.items += page.items
@@ -183,27 +283,45 @@ async def _active_provisioners(
         params["cursor"] = page.next_cursor
 
 
+def stuck_table(groups: PendingGroupList) -> str | None:
+    """Pending label sets nothing can take, with the labels nobody offers; None when none."""
+    rows = [
+        [str(group.workspace_id), ",".join(group.labels), str(group.pending),
+         ",".join(group.waiting.missing_labels) or "-", group.waiting.reason]
+        for group in groups.items
+        if group.waiting.stuck
+    ]  # fmt: skip
+    if not rows:
+        return None
+    return table(["STUCK_IN", "LABELS", "PENDING", "MISSING", "WHY"], rows)
+
+
 async def status(url: str, key: str) -> int:
     headers = api.bearer(key)
     async with api.client(url) as http:
-        content = await _call(http, "GET", "/v1/admin/queue", headers=headers)
-        queue = _decode(content, QueueOut)
-        provisioners = await _active_provisioners(http, headers)
-        reservations = _decode(
-            await _call(http, "GET", "/v1/admin/reservations", headers=headers), ReservationList
+        content = await call(http, "GET", "/v1/admin/queue", headers=headers)
+        queue = decode(content, QueueOut)
+        pending = decode(
+            await call(http, "GET", "/v1/admin/queue/pending", headers=headers), PendingGroupList
         )
-        counts = _decode(
-            await _call(http, "GET", "/v1/admin/runner-instances/counts", headers=headers),
+        provisioners = await _active_provisioners(http, headers)
+        reservations = decode(
+            await call(http, "GET", "/v1/admin/reservations", headers=headers), ReservationList
+        )
+        counts = decode(
+            await call(http, "GET", "/v1/admin/runner-instances/counts", headers=headers),
             RunnerInstanceCounts,
         )
     _say(queue_table(queue))
     by_labels = labels_table(queue)
-    for table in [
+    stuck = stuck_table(pending)
+    for section in [
+        *([stuck] if stuck else []),
         *([by_labels] if by_labels else []),
         *fleet_tables(provisioners, reservations, counts),
     ]:
         _say("")
-        _say(table)
+        _say(section)
     return 0
 
 

@@ -189,7 +189,7 @@ class Runner:
                 timeout=wait + _TRANSPORT_MARGIN_SECONDS,
             )
         except httpx.TransportError as error:
-            raise Transient(f"job request: {type(error).__name__}") from error
+            raise Transient(f"job request: {api.unreachable(self.options.url, error)}") from error
         status = response.status_code
         if status == 401:
             self._session = None
@@ -241,7 +241,7 @@ class Runner:
                 headers=api.bearer(token),
             )
         except httpx.TransportError as error:
-            raise Transient(f"register: {type(error).__name__}") from error
+            raise Transient(f"register: {api.unreachable(self.options.url, error)}") from error
         if response.status_code in (400, 401, 403):
             raise Fatal(f"register: {api.describe(response)}")
         if response.status_code != 200:

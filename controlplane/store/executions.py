@@ -17,16 +17,19 @@ class ExecutionState:
     ended_by: str | None = None
     runner_session_id: UUID | None = None
     cancel_requested: bool = False
+    exit_code: int | None = None  # as its runner reported it, when it ended so
+    output_tail: str | None = None
+    required_labels: tuple[str, ...] = ()  # while pending: what a runner must offer
 
 
 async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
     """Where the execution is now; a lease still draining after a cancel reports 'ended'."""
     row = await conn.fetchrow(
         """
-        SELECT e.workspace_id AS ended_ws, e.outcome, e.ended_by,
+        SELECT e.workspace_id AS ended_ws, e.outcome, e.ended_by, e.exit_code, e.output_tail,
                r.workspace_id AS running_ws, r.runner_session_id,
                r.cancellation_requested_at IS NOT NULL AS cancel_requested,
-               p.workspace_id AS pending_ws
+               p.workspace_id AS pending_ws, p.required_labels
         FROM (SELECT $1::uuid AS id) AS x
         LEFT JOIN ended_executions e ON e.job_execution_id = x.id
         LEFT JOIN running_jobs r ON r.job_execution_id = x.id
@@ -44,6 +47,8 @@ async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
             ended_by=row["ended_by"],
             runner_session_id=row["runner_session_id"],
             cancel_requested=bool(row["cancel_requested"]),
+            exit_code=row["exit_code"],
+            output_tail=row["output_tail"],
         )
     if row["running_ws"] is not None:
         return ExecutionState(
@@ -54,7 +59,12 @@ async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
             cancel_requested=bool(row["cancel_requested"]),
         )
     if row["pending_ws"] is not None:
-        return ExecutionState(job_execution_id, "pending", row["pending_ws"])
+        return ExecutionState(
+            job_execution_id,
+            "pending",
+            row["pending_ws"],
+            required_labels=tuple(row["required_labels"]),
+        )
     return None
 
 

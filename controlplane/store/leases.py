@@ -160,11 +160,13 @@ async def complete(
     runner_session_id: UUID,
     outcome: Outcome,
     exit_code: int | None = None,
+    output_tail: str | None = None,
 ) -> EndedLease:
     """The runner finished: remove its lease at once and record the outcome.
 
-    The tombstone and the `job.completed` event are written only if the execution had not ended
-    already (an orchestrator cancel comes first and keeps its record).
+    The tombstone (with the exit code and output tail, when given) and the `job.completed` event
+    are written only if the execution had not ended already (an orchestrator cancel comes first
+    and keeps its record).
 
     Locks: execution lock (blocking) -> pending row (orphan sweep) -> running row (delete) ->
     tombstone -> events; one transaction, each step a statement of its own (so each sees what
@@ -172,15 +174,16 @@ async def complete(
     """
     if outcome == Outcome.EXPIRED:
         raise ValueError("a runner cannot complete with 'expired'")
-    # cp_complete (sql/0009_complete_function.sql) runs these steps in this order: one round trip.
+    # cp_complete (sql/0010_job_results.sql) runs these steps in this order: one round trip.
     try:
         row = await conn.fetchrow(
-            "SELECT * FROM cp_complete($1, $2, $3, $4, $5)",
+            "SELECT * FROM cp_complete($1, $2, $3, $4, $5, $6)",
             locks.execution(job_execution_id),
             job_execution_id,
             runner_session_id,
             str(outcome),
             exit_code,
+            output_tail,
         )
     except asyncpg.NoDataFoundError as error:
         raise RunningJobExecutionNotFound() from error

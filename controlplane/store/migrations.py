@@ -34,7 +34,9 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 
 
 def default_sql_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "sql"
+    # The package's `sql` entry is a link to the top-level sql/ folder in a source tree, and a
+    # copy of its files in a built wheel, so one path serves editable and packaged installs.
+    return Path(__file__).resolve().parents[1] / "sql"
 
 
 @dataclass(frozen=True)

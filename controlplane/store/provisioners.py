@@ -39,9 +39,16 @@ from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
 from controlplane.store.reservations import lock_workspace
 from controlplane.store.runner_reports import lock_linked_runners, release_terminal
 
+# A provisioner was last seen when its token last authenticated or its control session last
+# proved itself live (every request and allocation round stamps the session), whichever is later:
+# the token is stamped only when a session opens, and a session can stay open for days.
+_LAST_SEEN = (
+    "greatest(provisioner_tokens.last_seen_at, (SELECT s.last_seen_at FROM provisioner_sessions s"
+    " WHERE s.provisioner_id = provisioner_tokens.id))"
+)
 _COLUMNS = (
     "id, scope, workspace_id, name, display_prefix, created_at, expires_at, revoked_at, "
-    "revocation_reason, last_seen_at"
+    f"revocation_reason, {_LAST_SEEN} AS last_seen_at"
 )
 
 
@@ -133,7 +140,7 @@ async def list_all(
         f"""
         SELECT {_COLUMNS} FROM provisioner_tokens
         WHERE ($4::uuid IS NULL OR workspace_id = $4)
-          AND ($5::interval IS NULL OR (last_seen_at > now() - $5::interval
+          AND ($5::interval IS NULL OR ({_LAST_SEEN} > now() - $5::interval
                                         AND revoked_at IS NULL
                                         AND (expires_at IS NULL OR expires_at > now())))
           AND {pages.BEFORE}

@@ -28,7 +28,7 @@ from controlplane.settings import Settings
 from controlplane.store import ephemeral
 from controlplane.web.edge import json_response
 from controlplane.web.errors import STATUS
-from controlplane.wire import admin, orchestrator, provisioners, runner_control, runners
+from controlplane.wire import admin, jobs, orchestrator, provisioners, runner_control, runners
 from controlplane.wire.common import ErrorEnvelope
 
 _REF = "#/components/schemas/{name}"
@@ -186,6 +186,18 @@ QUERY: dict[str, dict[str, Any]] = {
     "workspace_id:reservations": _query(
         "workspace_id", _UUID, "Only this workspace's reservations."
     ),
+    "status:jobs": _query(
+        "status",
+        {"type": "string", "enum": ["pending", "running", "ended"]},
+        "Only executions in this state.",
+    ),
+    "labels:jobs": _query(
+        "labels",
+        {"type": "string", "minLength": 1},
+        "Comma-separated labels (1-20); only pending and running executions that require all "
+        "of them (an ended execution keeps no labels).",
+    ),
+    "workspace_id:jobs": _query("workspace_id", _UUID, "Only this workspace's executions."),
     "active": _query(
         "active",
         {"type": "string", "enum": ["true", "false"]},
@@ -278,6 +290,19 @@ OPERATIONS: dict[str, Op] = {
         "Revoke a manual registration token (idempotent)", ADM, admin.Revoke,
         admin.CredentialOut, _IDEMPOTENT_REVOKE, _KEY, optional_body=True),
     "GET /v1/admin/queue": Op("Queue depth, per workspace", ADM, None, admin.QueueOut),
+    "GET /v1/admin/queue/pending": Op(
+        "Pending label sets per workspace, oldest first, with who could take them and whether "
+        "they are stuck", ADM, None, jobs.PendingGroupList),
+    "GET /v1/admin/jobs": Op(
+        "List executions, newest change (enqueued, started, ended) first, a page at a time",
+        ADM, None, jobs.JobList, "invalid-cursor",
+        query=("workspace_id:jobs", "status:jobs", "labels:jobs", *_PAGE)),
+    "GET /v1/admin/jobs/{job_execution_id}": Op(
+        "One execution: its timestamps, outcome, exit code, output tail, and why it waits",
+        ADM, None, jobs.JobDetail, "not-found"),
+    "POST /v1/admin/jobs/{job_execution_id}/cancel": Op(
+        "Cancel an execution as the orchestrator would (idempotent)", ADM, None,
+        jobs.JobCancelled, "not-found"),
     "GET /v1/admin/runners": Op(
         "Runners seen recently, with their leases", ADM, None, admin.ActiveRunners,
         query=("workspace_id:tokens", "window_seconds")),

@@ -14,10 +14,11 @@ from starlette.routing import Route
 from controlplane import metrics
 from controlplane.domain.jobs import JobIdentity, NewJob, Outcome
 from controlplane.domain.labels import canonicalise
+from controlplane.domain.waiting import why_waiting
 from controlplane.errors import InvalidInput, NotFound, PayloadTooLarge
-from controlplane.store import events, executions, leases, queue
+from controlplane.store import events, executions, job_views, leases, queue
 from controlplane.store.credentials import Credential
-from controlplane.web import auth
+from controlplane.web import auth, jobs
 from controlplane.web.edge import (
     json_response,
     path_uuid,
@@ -153,6 +154,13 @@ async def execution_state(request: Request) -> Response:
     found = await _visible_state(svc, key, execution)
     if found is None or found.state == "unknown":
         raise NotFound("no such job execution", job_execution_id=str(execution))
+    waiting = None
+    if found.state == "pending" and found.workspace_id is not None:
+        async with svc.pool.acquire() as conn:
+            takers = await job_views.takers(
+                conn, found.workspace_id, found.required_labels, jobs.TAKER_WINDOW
+            )
+        waiting = jobs.waiting_out(why_waiting(found.required_labels, takers), takers)
     return json_response(
         wire.ExecutionState(
             job_execution_id=found.job_execution_id,
@@ -162,6 +170,9 @@ async def execution_state(request: Request) -> Response:
             ended_by=found.ended_by,
             runner_session_id=found.runner_session_id,
             cancel_requested=found.cancel_requested,
+            exit_code=found.exit_code,
+            output_tail=found.output_tail,
+            waiting=waiting,
         )
     )
 

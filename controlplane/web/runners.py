@@ -19,6 +19,7 @@ from controlplane.actors.dispatch import Waiter, WaiterState
 from controlplane.domain import tokens
 from controlplane.domain.jobs import ClaimedJob, Outcome, SessionClaims
 from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
+from controlplane.domain.output import tail_of_text
 from controlplane.errors import (
     InvalidInput,
     LeaseJobMismatch,
@@ -205,6 +206,7 @@ def _job_response(svc: Services, session: SessionClaims, job: ClaimedJob) -> Res
             payload=job.payload,
             lease_token=auth.mint_lease(svc, lease, svc.clock()),
             heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,
+            output_tail_bytes=svc.settings.runners.output_tail_bytes,
         )
     )
 
@@ -331,6 +333,14 @@ async def heartbeat(request: Request) -> Response:
     )
 
 
+def _kept_tail(reported: str | None, limit: int) -> str | None:
+    """What the server keeps of a reported output tail: its last `limit` bytes, never a split
+    character or a NUL (which PostgreSQL text cannot hold)."""
+    if reported is None or limit == 0:
+        return None
+    return tail_of_text(reported, limit)
+
+
 async def complete(request: Request) -> Response:
     svc = auth.services(request)
     lease = await _lease_for(request)
@@ -342,6 +352,7 @@ async def complete(request: Request) -> Response:
             lease.runner_session_id,
             Outcome(body.outcome),
             body.exit_code,
+            _kept_tail(body.output_tail, svc.settings.runners.output_tail_bytes),
         )
     if ended.newly_ended:
         svc.signal_events()  # its `job.completed` event is committed

@@ -9,6 +9,7 @@ from uuid import UUID
 import msgspec
 
 from controlplane.wire.common import Labels, Reason, Strict
+from controlplane.wire.jobs import WaitingOut
 
 AwareDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
 
@@ -57,6 +58,9 @@ class ExecutionState(Strict):
     ended_by: str | None = None
     runner_session_id: UUID | None = None
     cancel_requested: bool = False
+    exit_code: int | None = None  # as the runner reported it
+    output_tail: str | None = None  # the end of the job's output, as the runner reported it
+    waiting: WaitingOut | None = None  # while pending: who could take it, and whether anyone can
 
 
 class EventOut(Strict):

@@ -34,6 +34,8 @@ class JobResponse(Strict):
     payload: dict[str, Any]
     lease_token: str
     heartbeat_interval_seconds: float
+    # How many bytes of the job's output the server keeps with its outcome (0: none).
+    output_tail_bytes: int = 0
 
 
 class HeartbeatRequest(Strict):
@@ -49,6 +51,8 @@ class HeartbeatResponse(Strict):
 class CompleteRequest(Strict):
     outcome: Literal["succeeded", "failed", "cancelled"]
     exit_code: Annotated[int, msgspec.Meta(ge=-255, le=255)] | None = None
+    # The end of the job's output; the server keeps its last `output_tail_bytes` bytes.
+    output_tail: Annotated[str, msgspec.Meta(max_length=1_048_576)] | None = None
 
 
 class CompleteResponse(Strict):

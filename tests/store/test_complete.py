@@ -17,7 +17,7 @@ from controlplane.domain.jobs import (
     StaleRule,
 )
 from controlplane.errors import RunningJobExecutionNotFound
-from controlplane.store import leases, queue
+from controlplane.store import executions, leases, queue
 from controlplane.store.pool import Conn
 from tests.factories import claimed_job, event_types, manual_session, new_job
 
@@ -245,3 +245,34 @@ async def test_enqueue_replay_never_recreates_the_execution_after_the_outbox_is_
         == running_before
     )
     assert await queue.claim(conn, session) is None
+
+
+async def test_the_exit_code_and_output_tail_are_kept_with_the_tombstone_and_the_event(
+    conn: Conn, workspace: UUID
+) -> None:
+    session = await manual_session(conn, workspace)
+    job = await claimed_job(conn, session)
+    execution = job.identity.job_execution_id
+    tail = "building…\nerror: 1 test failed\n"
+
+    await leases.complete(
+        conn, execution, session.runner_session_id, Outcome.FAILED, exit_code=3, output_tail=tail
+    )
+
+    kept = await conn.fetchrow(
+        "SELECT exit_code, output_tail FROM ended_executions WHERE job_execution_id = $1",
+        execution,
+    )
+    assert kept is not None and (kept["exit_code"], kept["output_tail"]) == (3, tail)
+    payload = json.loads(
+        await conn.fetchval("SELECT payload::text FROM events WHERE event_type = 'job.completed'")
+    )
+    assert (payload["exit_code"], payload["output_tail"]) == (3, tail)
+    state = await executions.state(conn, execution)
+    assert state is not None
+    assert (state.state, state.outcome, state.exit_code, state.output_tail) == (
+        "ended",
+        "failed",
+        3,
+        tail,
+    )

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import uuid
 
+import anyio
 import asyncpg
 import pytest
 
@@ -99,8 +102,15 @@ async def test_status_prints_the_queue_per_workspace(
             "status", "--url", daemon.address, CONTROLPLANE_ADMIN_KEY=creds.admin_key
         )
     assert shown.returncode == 0, shown.stderr
-    queue, by_labels = [
+    queue, stuck, by_labels = [
         [line.split() for line in block.splitlines()] for block in shown.stdout.split("\n\n")
+    ]
+    # No runner and no provisioner in either workspace: every pending label set is stuck, and
+    # since nothing is offered at all, its every label is missing.
+    assert [row[:4] for row in stuck] == [
+        ["STUCK_IN", "LABELS", "PENDING", "MISSING"],
+        [str(creds.workspace), "linux", "2", "linux"],
+        [str(other.workspace), "linux", "1", "linux"],
     ]
     assert queue == [
         ["WORKSPACE", "PENDING", "RUNNING"],
@@ -172,3 +182,71 @@ async def test_s105_s106_runner_refuses_empty_labels_or_no_token_before_any_requ
     )  # fmt: skip
     assert no_token.returncode == 2
     assert "CONTROLPLANE_RUNNER_TOKEN" in no_token.stderr
+
+
+async def _interrupt_a_wait(address: str, creds: agents.Credentials, *extra: str) -> agents.Ran:
+    """`enqueue --wait` for a job no runner takes, Ctrl-C once it printed the job's id."""
+    process = await anyio.open_process(
+        [*agents.CLI, "--log-level", "warning", "enqueue", "--url", address, "--workspace",
+         str(creds.workspace), "--labels", "linux", "--wait", *extra, "--", "true"],
+        env={**os.environ, "CONTROLPLANE_ORCHESTRATOR_KEY": creds.orchestrator_key},
+    )  # fmt: skip
+    async with process:
+        assert process.stdout is not None and process.stderr is not None
+        with anyio.fail_after(30):
+            printed = await process.stdout.receive()
+        process.send_signal(signal.SIGINT)
+        with anyio.fail_after(30):
+            code = await process.wait()
+            stderr = b"".join([chunk async for chunk in process.stderr])
+    return agents.Ran(code, printed.decode(), stderr.decode())
+
+
+async def test_ctrl_c_on_wait_leaves_the_job_running_and_says_how_to_cancel_it(
+    spawn_daemon: SpawnDaemon, database_url: str
+) -> None:
+    creds = await agents.make_credentials(database_url)
+    async with spawn_daemon() as daemon:
+        ran = await _interrupt_a_wait(daemon.address, creds)
+        execution = ran.stdout.strip()
+        assert ran.returncode == 130
+        assert f"stopped waiting; {execution} goes on" in ran.stderr
+        assert f"controlplane jobs cancel {execution}" in ran.stderr
+        state = await agents.execution_state(daemon.address, creds.orchestrator_key, execution)
+        assert state["state"] == "pending"
+
+
+async def test_ctrl_c_on_wait_with_cancel_on_interrupt_cancels_the_job(
+    spawn_daemon: SpawnDaemon, database_url: str
+) -> None:
+    creds = await agents.make_credentials(database_url)
+    async with spawn_daemon() as daemon:
+        ran = await _interrupt_a_wait(daemon.address, creds, "--cancel-on-interrupt")
+        execution = ran.stdout.strip()
+        assert ran.returncode == 130
+        assert f"cancelled {execution}" in ran.stderr
+        state = await agents.execution_state(daemon.address, creds.orchestrator_key, execution)
+        assert (state["state"], state["outcome"], state["ended_by"]) == (
+            "ended",
+            "cancelled",
+            "orchestrator",
+        )
+
+
+async def test_wait_on_a_job_nothing_can_take_says_so(
+    spawn_daemon: SpawnDaemon, database_url: str
+) -> None:
+    creds = await agents.make_credentials(database_url)
+    async with spawn_daemon() as daemon:
+        ran = await agents.run_client(
+            "enqueue", "--url", daemon.address, "--workspace", str(creds.workspace),
+            "--labels", "linux,gpu", "--wait", "--timeout", "2", "--", "true",
+            CONTROLPLANE_ORCHESTRATOR_KEY=creds.orchestrator_key,
+        )  # fmt: skip
+    execution = ran.stdout.strip()
+    assert ran.returncode == 2  # gave up at the timeout
+    assert (
+        f"{execution} is stuck: no live runner or connected provisioner offers gpu, linux"
+        in ran.stderr
+    )
+    assert ran.stderr.count("is stuck") == 1

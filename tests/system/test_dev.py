@@ -1,7 +1,10 @@
-"""`controlplane dev` as a real process: a job enqueued from a second shell runs and completes."""
+"""`controlplane dev` as a real process, and the README's walkthrough from a second shell that
+sourced var/dev.env: a job's output and exit code come back, a job nothing can take is flagged
+with the label nobody offers, and jobs, runners and provisioners are listed and a job cancelled."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +23,57 @@ def _env_file_values(path: Path) -> dict[str, str]:
         name, _, value = line.removeprefix("export ").partition("=")
         values[name] = value
     return values
+
+
+async def _cli(shell: dict[str, str], *args: str) -> tuple[int, str, str]:
+    with anyio.fail_after(60):
+        done = await anyio.run_process(
+            [sys.executable, "-m", "controlplane.cli", "--log-level", "warning", *args],
+            env=shell,
+            check=False,
+        )
+    return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+async def _the_readme_walkthrough(shell: dict[str, str]) -> None:
+    code, out, err = await _cli(
+        shell, "enqueue", "--labels", "linux", "--wait", "--", "echo", "hello"
+    )
+    assert code == 0, err
+    assert out.splitlines()[1:] == ["hello", "outcome: succeeded"]
+
+    code, out, err = await _cli(
+        shell, "enqueue", "--labels", "linux", "--wait", "--", "sh", "-c", "echo bye; exit 3"
+    )
+    assert code == 3, err
+    assert out.splitlines()[1:] == ["bye", "outcome: failed (exit code 3)"]
+
+    code, out, err = await _cli(shell, "enqueue", "--labels", "linux,gpu", "--", "true")
+    assert code == 0, err
+    stuck = out.strip()
+    code, out, err = await _cli(shell, "status")
+    assert code == 0, err
+    assert "STUCK_IN" in out and "gpu,linux" in out
+    assert "no live runner or connected provisioner offers gpu" in out
+
+    code, out, err = await _cli(shell, "jobs", "list")
+    assert code == 0, err
+    assert stuck in out and out.count("succeeded") == 1 and out.count("failed") == 1
+    code, out, err = await _cli(shell, "jobs", "show", stuck)
+    assert code == 0, err
+    assert "waiting:     STUCK: no live runner or connected provisioner offers gpu" in out
+    code, out, err = await _cli(shell, "jobs", "cancel", stuck)
+    assert (code, out.strip()) == (0, f"cancelled {stuck}"), err
+    code, out, err = await _cli(shell, "jobs", "show", stuck, "--json")
+    assert code == 0, err
+    shown = json.loads(out)
+    assert (shown["job"]["status"], shown["job"]["outcome"]) == ("ended", "cancelled")
+
+    code, out, err = await _cli(shell, "runners", "list")
+    assert code == 0 and "LABELS" in out, err
+    code, out, err = await _cli(shell, "provisioners", "list")
+    assert code == 0, err
+    assert "dev_local_provisioner" in out
 
 
 async def test_dev_runs_a_job_enqueued_from_another_shell(
@@ -56,30 +110,7 @@ async def test_dev_runs_a_job_enqueued_from_another_shell(
         env_file = tmp_path / "var" / "dev.env"
         assert oct(env_file.stat().st_mode & 0o777) == "0o600"
         shell = {**os.environ, **_env_file_values(env_file)}
-        with anyio.fail_after(60):
-            enqueued = await anyio.run_process(
-                [
-                    sys.executable,
-                    "-m",
-                    "controlplane.cli",
-                    "enqueue",
-                    "--labels",
-                    "linux",
-                    "--wait",
-                    "--",
-                    "echo",
-                    "hello",
-                ],
-                env=shell,
-                check=False,
-            )
-        assert enqueued.returncode == 0, enqueued.stderr.decode()
-        assert "outcome: succeeded" in enqueued.stdout.decode()
-        status = await anyio.run_process(
-            [sys.executable, "-m", "controlplane.cli", "status"], env=shell, check=False
-        )
-        assert status.returncode == 0
-        assert "TOTAL" in status.stdout.decode()
+        await _the_readme_walkthrough(shell)
         dev.send_signal(signal.SIGINT)
         assert await anyio.to_thread.run_sync(lambda: dev.wait(30)) == 0
         # The runners write job output to dev's stdout: the job really ran there.

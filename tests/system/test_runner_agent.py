@@ -39,16 +39,20 @@ async def test_runs_jobs_end_to_end_and_records_the_exit_code(
     ):
         hello = await agents.enqueue(daemon.address, creds, "echo", "hello", wait=True)
         assert hello.returncode == 0, hello.stderr
-        execution, outcome = hello.stdout.splitlines()
-        assert outcome == "outcome: succeeded"
+        # The job's output comes back to whoever enqueued it, as well as to the runner's stdout.
+        execution, output, outcome = hello.stdout.splitlines()
+        assert (output, outcome) == ("hello", "outcome: succeeded")
         await runner.printed("hello\n")
         state = await agents.execution_state(daemon.address, creds.orchestrator_key, execution)
         assert (state["outcome"], state["ended_by"]) == ("succeeded", "runner")
+        assert (state["exit_code"], state["output_tail"]) == (0, "hello\n")
 
-        failing = await agents.enqueue(daemon.address, creds, "exit", "3", wait=True)
-        assert failing.returncode == 1
-        failed_execution, outcome = failing.stdout.splitlines()
-        assert outcome == "outcome: failed"
+        failing = await agents.enqueue(
+            daemon.address, creds, "sh", "-c", "echo oops >&2; exit 3", wait=True
+        )
+        assert failing.returncode == 3  # the job's own exit code
+        failed_execution, output, outcome = failing.stdout.splitlines()
+        assert (output, outcome) == ("oops", "outcome: failed (exit code 3)")
         async with httpx.AsyncClient(base_url=daemon.address, timeout=10) as http:
             feed = await http.get(
                 "/v1/events",
@@ -60,9 +64,10 @@ async def test_runs_jobs_end_to_end_and_records_the_exit_code(
             for event in feed.json()["events"]
             if event["type"] == "job.completed" and event["job_execution_id"] == failed_execution
         ]
-        assert [(e["payload"]["outcome"], e["payload"]["exit_code"]) for e in completed] == [
-            ("failed", 3)
-        ]
+        assert [
+            (e["payload"]["outcome"], e["payload"]["exit_code"], e["payload"]["output_tail"])
+            for e in completed
+        ] == [("failed", 3, "oops\n")]
         assert runner.process.returncode is None  # still serving
     logged = runner.stderr.decode()
     assert len(runner.logs("runner.registered")) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -103,6 +104,13 @@ async def daemon(database_url: str) -> AsyncIterator[app.Daemon]:
 
 @pytest.fixture
 async def api(daemon: app.Daemon, database_url: str) -> AsyncIterator[Api]:
+    async with open_api(daemon, database_url) as client:
+        yield client
+
+
+@asynccontextmanager
+async def open_api(daemon: app.Daemon, database_url: str) -> AsyncIterator[Api]:
+    """A client of `daemon` with an orchestrator key, an admin key and a registration token."""
     async with httpx.AsyncClient(base_url=daemon.address, timeout=30) as http:
         client = Api(http=http, database_url=database_url, daemon=daemon)
         conn = await asyncpg.connect(database_url)

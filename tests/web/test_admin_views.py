@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timedelta
 
 import asyncpg
 
 from controlplane.store import provisioners
 from tests.web.conftest import Api
+from tests.web.control_client import hello, open_session, receive, send
 
 
 async def test_active_runners_lists_recently_seen_sessions_with_their_leases(
@@ -75,3 +77,40 @@ async def test_s58_active_provisioners_are_seen_recently_not_revoked_not_expired
     assert len(everything.json()["items"]) == 5
     refused = await api.http.get("/v1/admin/provisioner-tokens?active=yes", headers=admin)
     assert refused.status_code == 400
+
+
+async def test_a_provisioner_with_a_live_session_stays_active_long_after_it_connected(
+    api: Api, db: asyncpg.Connection
+) -> None:
+    """Its token is stamped when the session opens; the live session keeps it seen after."""
+    found, raw = await provisioners.create(db, name="steady", workspace_id=api.workspace)
+    ws = await open_session(api.daemon, raw)
+    await hello(ws)
+    # Two minutes on: the token's stamp is from the connect, the session is still talking.
+    await db.execute(
+        "UPDATE provisioner_tokens SET last_seen_at = now() - interval '5 minutes' WHERE id = $1",
+        found.id,
+    )
+    await db.execute(
+        "UPDATE provisioner_sessions SET last_seen_at = now() - interval '5 minutes'"
+        " WHERE provisioner_id = $1",
+        found.id,
+    )
+    await send(ws, {"type": "ping", "request_id": "p1"})
+    assert await receive(ws) == {"type": "pong", "request_id": "p1"}
+    admin = api.auth(api.admin_key)
+    active = await api.http.get("/v1/admin/provisioner-tokens?active=true", headers=admin)
+    (item,) = active.json()["items"]
+    assert item["name"] == "steady"
+    seen = datetime.fromisoformat(item["last_seen_at"])
+    now = await db.fetchval("SELECT now()")
+    assert now - seen < timedelta(minutes=1)
+    await ws.close()
+    # Once the session is gone its last stamp ages like the token's.
+    await db.execute(
+        "UPDATE provisioner_sessions SET last_seen_at = now() - interval '5 minutes'"
+        " WHERE provisioner_id = $1",
+        found.id,
+    )
+    after = await api.http.get("/v1/admin/provisioner-tokens?active=true", headers=admin)
+    assert after.json()["items"] == []

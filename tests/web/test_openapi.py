@@ -73,4 +73,4 @@ async def test_routes_with_a_token_refuse_a_missing_one_as_documented(api: Api) 
                 in documented["allOf"][1]["properties"]["error"]["properties"]["code"]["enum"]
             )
             checked += 1
-    assert checked == 28
+    assert checked == 32

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from controlplane.store import credentials
+from tests.web import conftest
 from tests.web.conftest import Api
 
 
@@ -375,6 +376,16 @@ async def test_execution_state_follows_the_execution_from_pending_to_ended(api: 
         "ended_by": None,
         "runner_session_id": None,
         "cancel_requested": False,
+        "exit_code": None,
+        "output_tail": None,
+        "waiting": {
+            "stuck": True,
+            "missing_labels": ["linux"],
+            "reason": "no live runner or connected provisioner offers linux",
+            "live_runners": 0,
+            "busy_runners": 0,
+            "templates": 0,
+        },
     }
     claimed = await api.request_job(await api.register())
     assert claimed.status_code == 200
@@ -384,11 +395,35 @@ async def test_execution_state_follows_the_execution_from_pending_to_ended(api: 
     assert running["cancel_requested"] is False
     await api.http.post(
         f"/v1/runners/jobs/{execution}/complete",
-        json={"outcome": "succeeded"},
+        json={"outcome": "succeeded", "exit_code": 0, "output_tail": "ok\n"},
         headers=api.auth(claimed.json()["lease_token"]),
     )
     ended = (await state(api, execution)).json()
     assert (ended["state"], ended["outcome"], ended["ended_by"]) == ("ended", "succeeded", "runner")
+    assert (ended["exit_code"], ended["output_tail"]) == (0, "ok\n")
+
+
+async def test_the_server_keeps_the_last_output_tail_bytes_of_a_reported_tail(
+    database_url: str,
+) -> None:
+    """A runner may send more than the server keeps; the server keeps the end, whole characters
+    only (the ellipsis is three bytes), and tells runners how much it keeps with each job."""
+    config = conftest.test_settings(runners__output_tail_bytes=8)
+    async for daemon in conftest.run_daemon(database_url, config):
+        async with conftest.open_api(daemon, database_url) as api:
+            job = api.job()
+            await api.enqueue(job)
+            claimed = await api.request_job(await api.register())
+            assert claimed.json()["output_tail_bytes"] == 8
+            execution = job["job_execution_id"]
+            done = await api.http.post(
+                f"/v1/runners/jobs/{execution}/complete",
+                json={"outcome": "failed", "exit_code": 1, "output_tail": "start…middle…end\n"},
+                headers=api.auth(claimed.json()["lease_token"]),
+            )
+            assert done.status_code == 200, done.text
+            ended = (await state(api, execution)).json()
+            assert ended["output_tail"] == "e…end\n"  # 8 bytes: 1 + 3 + 4
 
 
 # Workspace scope ------------------------------------------------------------------------------

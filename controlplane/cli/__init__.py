@@ -1,51 +1,26 @@
-"""The `controlplane` command."""
+"""The `controlplane` command.
+
+Building the parser imports nothing but the standard library: `--help` and a mistyped command
+answer at once, and each command imports what it needs when it runs (`server.py` for the commands
+on the database, `clients.py` for those that talk HTTP to a daemon).
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
-from datetime import timedelta
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-import anyio
-import msgspec
 
-from controlplane import app, dev, logs, settings
-from controlplane.agent import provisioner as local_provisioner
-from controlplane.agent import queue_client
-from controlplane.agent.provisioner import ProvisionerOptions
-from controlplane.agent.runner import Runner, RunnerOptions
-from controlplane.errors import ControlPlaneError, InvalidInput
-from controlplane.store import credentials, provisioners
-from controlplane.store.pool import connect
-from controlplane.wire import admin as admin_wire
-from controlplane.wire import provisioners as provisioner_wire
-from controlplane.wire import runners as runner_wire
-
-_encoder = msgspec.json.Encoder()
-
-
-def _print(value: Any) -> None:
-    sys.stdout.write(_encoder.encode(msgspec.to_builtins(value)).decode() + "\n")
-    sys.stdout.flush()
-
-
-async def _with_db(
-    config: settings.Settings, work: Callable[[Any], Awaitable[None]], *, migrate: bool = True
-) -> None:
-    async with app.database(config) as url:
-        if migrate:
-            await app.migrate(url, config)
-        conn = await connect(app.pool_settings(config, url))
-        try:
-            await work(conn)
-        finally:
-            await conn.close()
+def _handler(reference: str) -> Callable[..., Any]:
+    module, _, name = reference.partition(":")
+    found: Callable[..., Any] = getattr(importlib.import_module(f"controlplane.cli.{module}"), name)
+    return found
 
 
 def _from_env(variable: str) -> dict[str, Any]:
@@ -54,194 +29,19 @@ def _from_env(variable: str) -> dict[str, Any]:
     return {"default": value} if value else {"required": True}
 
 
-def _cmd_dev(config: settings.Settings, args: argparse.Namespace) -> None:
-    anyio.run(lambda: dev.run(config, runners=args.runners, labels=args.labels))
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65_535:
+        raise argparse.ArgumentTypeError("a port is a number from 0 to 65535 (0: any free one)")
+    return int(text)
 
 
-def _cmd_serve(config: settings.Settings, _args: argparse.Namespace) -> None:
-    def ready(address: str) -> None:
-        sys.stdout.write(f"controlplane listening on {address}\n")
-        sys.stdout.flush()
-
-    anyio.run(lambda: app.serve(config, on_ready=ready), backend_options=_loop_options())
-
-
-def _loop_options() -> dict[str, Any]:
-    """uvloop for a replica when it is installed (a dependency everywhere but Windows): with
-    uvicorn's httptools parser it cut the replica's CPU per request by about a third
-    (docs/benchmarks.md)."""
-    return {"use_uvloop": importlib.util.find_spec("uvloop") is not None}
-
-
-def _cmd_migrate(config: settings.Settings, _args: argparse.Namespace) -> None:
-    async def run() -> None:
-        async with app.database(config) as url:
-            applied = await app.migrate(url, config)
-        if applied:
-            for migration in applied:
-                sys.stdout.write(f"applied {migration.version:04d}_{migration.name}\n")
-        else:
-            sys.stdout.write("database is up to date\n")
-
-    anyio.run(run)
-
-
-def _ttl(seconds: int | None) -> timedelta | None:
-    return None if seconds is None else timedelta(seconds=seconds)
-
-
-def _checked_create(args: argparse.Namespace) -> None:
-    """The admin API's rules for creates, so the CLI cannot store what HTTP refuses."""
-    fields: dict[str, Any] = {"name": args.name, "ttl_seconds": args.ttl}
-    try:
-        if args.kind == "registration":
-            msgspec.convert(
-                {**fields, "workspace_id": str(args.workspace)}, admin_wire.CreateRegistrationToken
-            )
-        elif args.kind == "provisioner":
-            msgspec.convert(fields, provisioner_wire.CreateProvisionerToken)
-        else:
-            msgspec.convert({**fields, "kind": args.kind}, admin_wire.CreateApiKey)
-    except msgspec.ValidationError as error:
-        raise InvalidInput(f"invalid token request: {error}") from error
-
-
-async def _create_token(conn: Any, args: argparse.Namespace) -> tuple[Any, str]:
-    ttl = _ttl(args.ttl)
-    if args.kind == "registration":
-        return await credentials.create_manual_token(
-            conn, workspace_id=args.workspace, name=args.name, ttl=ttl
-        )
-    if args.kind == "provisioner":
-        return await provisioners.create(conn, name=args.name, workspace_id=args.workspace, ttl=ttl)
-    return await credentials.create_api_key(
-        conn, kind=args.kind, name=args.name, workspace_id=args.workspace, ttl=ttl
+def _address_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--host", help="address to listen on (default: server.host, 127.0.0.1)")
+    command.add_argument(
+        "--port",
+        type=_port,
+        help="port to listen on, 0 for any free one (default: server.port, 8080)",
     )
-
-
-async def _list_tokens(conn: Any, args: argparse.Namespace) -> list[Any]:
-    if args.kind == "registration":
-        return list(await credentials.list_manual_tokens(conn, args.workspace))
-    if args.kind == "provisioner":
-        return list(await provisioners.list_all(conn, args.workspace))
-    return list(await credentials.list_api_keys(conn, args.kind))
-
-
-async def _revoke_token(conn: Any, args: argparse.Namespace) -> Any:
-    if args.kind == "registration":
-        return await credentials.revoke_manual_token(conn, args.id)
-    if args.kind == "provisioner":
-        return await provisioners.revoke(conn, args.id)
-    return await credentials.revoke_api_key(conn, args.id)
-
-
-def _cmd_tokens(config: settings.Settings, args: argparse.Namespace) -> None:
-    if args.action == "create":
-        if args.kind == "registration" and args.workspace is None:
-            raise InvalidInput("registration tokens need --workspace")
-        if args.kind == "admin" and args.workspace is not None:
-            raise InvalidInput("admin keys are installation-wide: omit --workspace")
-        _checked_create(args)
-
-    async def work(conn: Any) -> None:
-        if args.action == "create":
-            created, raw = await _create_token(conn, args)
-            _print({"credential": created, "token": raw})
-        elif args.action == "list":
-            for item in await _list_tokens(conn, args):
-                _print(item)
-        else:
-            _print(await _revoke_token(conn, args))
-
-    anyio.run(lambda: _with_db(config, work))
-
-
-def _secret(given: str | None, variable: str, prefix: str, what: str) -> str:
-    """A token from its option or its environment variable; never echoed back in a message."""
-    value = given or os.environ.get(variable, "")
-    if not value:
-        raise InvalidInput(f"{what} is required: pass it in ${variable} (or the option)")
-    if not value.startswith(prefix):
-        raise InvalidInput(f"{what} must be a {prefix}… token")
-    return value
-
-
-def _labels(raw: str) -> list[str]:
-    labels = [label.strip() for label in raw.split(",") if label.strip()]
-    if not labels:
-        raise InvalidInput("--labels needs at least one label")
-    try:
-        msgspec.convert({"labels": labels}, runner_wire.RegisterRequest)
-    except msgspec.ValidationError as error:
-        raise InvalidInput(f"invalid --labels: {error}") from error
-    return labels
-
-
-def _cmd_runner(args: argparse.Namespace) -> int:
-    if args.max_idle_seconds < 0:
-        raise InvalidInput("--max-idle-seconds must be 0 (for ever) or more")
-    bootstrap = args.bootstrap_token or os.environ.get("CONTROLPLANE_BOOTSTRAP_TOKEN") or None
-    if bootstrap is not None:
-        if args.token or os.environ.get("CONTROLPLANE_RUNNER_TOKEN"):
-            raise InvalidInput("give a registration token or a bootstrap token, not both")
-        bootstrap = _secret(
-            bootstrap, "CONTROLPLANE_BOOTSTRAP_TOKEN", "cp_rbt_", "a bootstrap token"
-        )
-        token = ""
-    else:
-        token = _secret(args.token, "CONTROLPLANE_RUNNER_TOKEN", "cp_mrt_", "a registration token")
-    options = RunnerOptions(
-        url=args.url,
-        token=token,
-        bootstrap_token=bootstrap,
-        provider_runner_id=args.provider_runner_id,
-        labels=_labels(args.labels),
-        once=args.once,
-        max_idle_seconds=args.max_idle_seconds,
-    )
-    return anyio.run(Runner(options).run)
-
-
-def _cmd_enqueue(args: argparse.Namespace) -> int:
-    key = _secret(args.key, "CONTROLPLANE_ORCHESTRATOR_KEY", "cp_oak_", "an orchestrator key")
-    if not args.command:
-        raise InvalidInput("give the command to run after --")
-    labels = _labels(args.labels)
-    return anyio.run(
-        lambda: queue_client.enqueue(
-            args.url,
-            key,
-            args.workspace,
-            labels,
-            args.command,
-            wait=args.wait,
-            give_up_after=args.timeout,
-        )
-    )
-
-
-def _cmd_provisioner_local(args: argparse.Namespace) -> int:
-    token = _secret(args.token, "CONTROLPLANE_PROVISIONER_TOKEN", "cp_pt_", "a provisioner token")
-    if not 1 <= args.slots <= 1000:
-        raise InvalidInput("--slots must be between 1 and 1000")
-    if not 0 <= args.idle_target <= args.slots:
-        raise InvalidInput("--idle-target must be between 0 and --slots")
-    options = ProvisionerOptions(
-        url=args.url,
-        token=token,
-        labels=_labels(args.labels),
-        slots=args.slots,
-        idle_target=args.idle_target,
-        template_key=args.template_key,
-        state_file=args.state_file,
-        stop_runners_on_exit=args.stop_runners_on_exit,
-    )
-    return anyio.run(lambda: local_provisioner.run(options))
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    key = _secret(args.key, "CONTROLPLANE_ADMIN_KEY", "cp_adm_", "an admin key")
-    return anyio.run(lambda: queue_client.status(args.url, key))
 
 
 def _client_commands(commands: Any) -> None:
@@ -301,7 +101,7 @@ a second one kills the job's process group, completes it `cancelled` and exits 1
         help="exit after S seconds without a job: 0 if the last request was answered, 1 if the "
         "control plane kept failing (default 0: wait for ever)",
     )
-    runner.set_defaults(client=_cmd_runner)
+    runner.set_defaults(client="clients:_cmd_runner")
 
     enqueue = commands.add_parser(
         "enqueue",
@@ -310,7 +110,10 @@ a second one kills the job's process group, completes it `cancelled` and exits 1
         description="""\
 Enqueue one job whose payload is {"script": "<the command, shell-quoted>"}, with fresh ids and
 queued_at = now, and print its execution id. With --wait, follow the execution until it ends,
-print `outcome: <outcome>` and exit 0 if it succeeded, 1 otherwise.
+print the end of its output (the last runners.output_tail_bytes bytes, 16 KiB by default) and
+`outcome: <outcome>` (with the exit code when it is not 0), and exit with the job's exit code
+(0 or 1 by outcome when it has none; 2 when --timeout runs out). Ctrl-C while waiting leaves
+the job running and says how to cancel it, or cancels it with --cancel-on-interrupt (exit 130).
 
 example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait -- make test""",
     )
@@ -327,7 +130,17 @@ example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait --
     enqueue.add_argument(
         "--labels", required=True, help="comma-separated labels the runner must have"
     )
-    enqueue.add_argument("--wait", action="store_true", help="wait for the outcome")
+    enqueue.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the outcome, print the end of the job's output, exit with its exit code",
+    )
+    enqueue.add_argument(
+        "--cancel-on-interrupt",
+        action="store_true",
+        help="with --wait, Ctrl-C cancels the job (default: it goes on, and we say how to "
+        "cancel it)",
+    )
     enqueue.add_argument(
         "--timeout",
         type=float,
@@ -336,7 +149,7 @@ example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait --
         help="with --wait, give up after S seconds (exit 2); default 0: no limit",
     )
     enqueue.add_argument("command", nargs="*", help="the command and its arguments, after --")
-    enqueue.set_defaults(client=_cmd_enqueue)
+    enqueue.set_defaults(client="clients:_cmd_enqueue")
 
     status = commands.add_parser(
         "status",
@@ -349,7 +162,9 @@ example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait --
     )
     status.add_argument("--url", **_from_env("CONTROLPLANE_URL"), help=url_help)
     status.add_argument("--key", help="admin API key (cp_adm_…); default $CONTROLPLANE_ADMIN_KEY")
-    status.set_defaults(client=_cmd_status)
+    status.set_defaults(client="clients:_cmd_status")
+
+    _admin_commands(commands, url_help)
 
     provisioner = commands.add_parser(
         "provisioner",
@@ -401,7 +216,89 @@ another process takes the token over (close 4401/4403/4404/4406/4409).""",
         action="store_true",
         help="send SIGTERM to the runners when the provisioner stops (default: leave them)",
     )
-    local.set_defaults(client=_cmd_provisioner_local)
+    local.set_defaults(client="clients:_cmd_provisioner_local")
+
+
+def _admin_options(command: argparse.ArgumentParser, url_help: str) -> None:
+    command.add_argument("--url", **_from_env("CONTROLPLANE_URL"), help=url_help)
+    command.add_argument("--key", help="admin API key (cp_adm_…); default $CONTROLPLANE_ADMIN_KEY")
+    command.add_argument(
+        "--json", action="store_true", help="print the API's JSON instead of a table"
+    )
+
+
+def _admin_commands(commands: Any, url_help: str) -> None:
+    """jobs, runners and provisioners: what an operator looks at and steers (admin key)."""
+    jobs = commands.add_parser(
+        "jobs",
+        help="list, show or cancel job executions",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Job executions across the queue (pending), the runners (running) and the tombstones (ended).
+
+examples:
+  controlplane jobs list --status pending --labels linux
+  controlplane jobs show 59ef630e-144a-4ff9-abbe-69642a043207
+  controlplane jobs cancel 59ef630e-144a-4ff9-abbe-69642a043207""",
+    )
+    actions = jobs.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="newest change first: enqueued, started or ended")
+    _admin_options(listing, url_help)
+    listing.add_argument("--workspace", type=UUID, help="only this workspace")
+    listing.add_argument(
+        "--status", choices=["pending", "running", "ended"], help="only executions in this state"
+    )
+    listing.add_argument(
+        "--labels",
+        help="comma-separated: only pending and running executions requiring all of them "
+        "(ended ones keep no labels)",
+    )
+    listing.add_argument(
+        "--limit", type=int, default=50, help="at most this many (1-1000, default 50)"
+    )
+    listing.set_defaults(client="clients:_cmd_jobs_list")
+    show = actions.add_parser(
+        "show",
+        help="one execution: timestamps, runner, outcome, exit code, output tail, and for a "
+        "pending one why it waits",
+    )
+    _admin_options(show, url_help)
+    show.add_argument("id", type=UUID, help="the job execution id")
+    show.set_defaults(client="clients:_cmd_jobs_show")
+    cancel = actions.add_parser(
+        "cancel", help="cancel an execution: pending leaves the queue, running is told to stop"
+    )
+    _admin_options(cancel, url_help)
+    cancel.add_argument("id", type=UUID, help="the job execution id")
+    cancel.set_defaults(client="clients:_cmd_jobs_cancel")
+
+    runners = commands.add_parser("runners", help="list runners seen recently")
+    runner_actions = runners.add_subparsers(dest="action", required=True, metavar="ACTION")
+    runner_list = runner_actions.add_parser(
+        "list", help="runner sessions seen recently, busy or idle (manual and provisioned)"
+    )
+    _admin_options(runner_list, url_help)
+    runner_list.add_argument("--workspace", type=UUID, help="only this workspace")
+    runner_list.add_argument(
+        "--window",
+        type=int,
+        default=60,
+        help="seen within this many seconds (1-86400, default 60)",
+    )
+    runner_list.set_defaults(client="clients:_cmd_runners_list")
+
+    provisioners = commands.add_parser("provisioners", help="list provisioners")
+    provisioner_actions = provisioners.add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    provisioner_list = provisioner_actions.add_parser(
+        "list", help="provisioners seen in the last 120 s (--all: every token)"
+    )
+    _admin_options(provisioner_list, url_help)
+    provisioner_list.add_argument(
+        "--all", action="store_true", help="every provisioner token, revoked ones included"
+    )
+    provisioner_list.set_defaults(client="clients:_cmd_provisioners_list")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -423,7 +320,8 @@ def parser() -> argparse.ArgumentParser:
         description="Run the daemon: embedded PostgreSQL unless database.url is set, "
         "migrations, the HTTP API. Stops cleanly on SIGTERM/SIGINT.",
     )
-    serve.set_defaults(run=_cmd_serve)
+    _address_options(serve)
+    serve.set_defaults(run="server:_cmd_serve")
 
     development = commands.add_parser(
         "dev",
@@ -440,14 +338,15 @@ def parser() -> argparse.ArgumentParser:
     development.add_argument(
         "--labels", default="linux", help="the runners' labels, comma-separated (default linux)"
     )
-    development.set_defaults(run=_cmd_dev)
+    _address_options(development)
+    development.set_defaults(run="server:_cmd_dev")
 
     migrate = commands.add_parser(
         "migrate",
         help="apply pending migrations",
         description="Apply the migrations in sql/ that the database lacks; refuse edited ones.",
     )
-    migrate.set_defaults(run=_cmd_migrate)
+    migrate.set_defaults(run="server:_cmd_migrate")
 
     tokens = commands.add_parser(
         "tokens",
@@ -469,27 +368,38 @@ def parser() -> argparse.ArgumentParser:
     revoke = actions.add_parser("revoke", help="revoke a credential (idempotent)")
     revoke.add_argument("kind", choices=kinds)
     revoke.add_argument("id", type=UUID)
-    tokens.set_defaults(run=_cmd_tokens)
+    tokens.set_defaults(run="server:_cmd_tokens")
     _client_commands(commands)
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from controlplane import logs
+    from controlplane.errors import ControlPlaneError
+
     logs.configure(args.log_level)
     try:
         if hasattr(args, "client"):
-            code: int = args.client(args)
+            code: int = _handler(args.client)(args)
             return code
-        config = settings.load(args.config)
-        args.run(config, args)
+        from controlplane import settings
+        from controlplane.cli.server import with_address
+
+        config = with_address(settings.load(args.config), args)
+        try:
+            _handler(args.run)(config, args)
+        except (Exception, BaseExceptionGroup) as error:
+            from controlplane import startup_errors
+
+            line = startup_errors.explain(error, config)
+            if line is None:
+                raise
+            sys.stderr.write(f"controlplane: {line}\n")
+            return 2
     except ControlPlaneError as error:
         sys.stderr.write(f"controlplane: {error.message}\n")
         return 2
     except KeyboardInterrupt:
         return 130
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""The commands that run on the database: serve, dev, migrate and tokens.
+
+Imported only when one of them runs, so `controlplane --help` and the client commands do not pay
+for the server stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from controlplane import app, dev, settings
+from controlplane.errors import InvalidInput
+from controlplane.store import credentials, provisioners
+from controlplane.store.pool import connect
+from controlplane.wire import admin as admin_wire
+from controlplane.wire import provisioners as provisioner_wire
+
+_encoder = msgspec.json.Encoder()
+
+
+def _print(value: Any) -> None:
+    sys.stdout.write(_encoder.encode(msgspec.to_builtins(value)).decode() + "\n")
+    sys.stdout.flush()
+
+
+def _existing_database(config: settings.Settings) -> None:
+    """Only serve, dev and migrate may create an embedded database. Any other command run where
+    there is none would create a new, empty one and mint credentials no running server knows."""
+    if config.database.url:
+        return
+    from controlplane.store.embedded import EmbeddedPostgres
+
+    folder = Path(config.database.embedded_data_dir)
+    if not EmbeddedPostgres(folder).initialised():
+        raise InvalidInput(
+            f"no database here: {folder} holds no embedded PostgreSQL. Run this in the folder "
+            "where `controlplane serve` or `dev` runs, or point it at the server's database "
+            "with DATABASE_URL (or CONTROLPLANE_DATABASE_EMBEDDED_DATA_DIR)"
+        )
+
+
+async def _with_db(
+    config: settings.Settings, work: Callable[[Any], Awaitable[None]], *, migrate: bool = True
+) -> None:
+    _existing_database(config)
+    async with app.database(config) as url:
+        if migrate:
+            await app.migrate(url, config)
+        conn = await connect(app.pool_settings(config, url))
+        try:
+            await work(conn)
+        finally:
+            await conn.close()
+
+
+def _cmd_dev(config: settings.Settings, args: argparse.Namespace) -> None:
+    anyio.run(lambda: dev.run(config, runners=args.runners, labels=args.labels))
+
+
+def _cmd_serve(config: settings.Settings, _args: argparse.Namespace) -> None:
+    def ready(address: str) -> None:
+        sys.stdout.write(f"controlplane listening on {address}\n")
+        sys.stdout.flush()
+
+    anyio.run(lambda: app.serve(config, on_ready=ready), backend_options=_loop_options())
+
+
+def _loop_options() -> dict[str, Any]:
+    """uvloop for a replica when it is installed (a dependency everywhere but Windows): with
+    uvicorn's httptools parser it cut the replica's CPU per request by about a third
+    (docs/benchmarks.md)."""
+    return {"use_uvloop": importlib.util.find_spec("uvloop") is not None}
+
+
+def _cmd_migrate(config: settings.Settings, _args: argparse.Namespace) -> None:
+    async def run() -> None:
+        async with app.database(config) as url:
+            applied = await app.migrate(url, config)
+        if applied:
+            for migration in applied:
+                sys.stdout.write(f"applied {migration.version:04d}_{migration.name}\n")
+        else:
+            sys.stdout.write("database is up to date\n")
+
+    anyio.run(run)
+
+
+def _ttl(seconds: int | None) -> timedelta | None:
+    return None if seconds is None else timedelta(seconds=seconds)
+
+
+def _checked_create(args: argparse.Namespace) -> None:
+    """The admin API's rules for creates, so the CLI cannot store what HTTP refuses."""
+    fields: dict[str, Any] = {"name": args.name, "ttl_seconds": args.ttl}
+    try:
+        if args.kind == "registration":
+            msgspec.convert(
+                {**fields, "workspace_id": str(args.workspace)}, admin_wire.CreateRegistrationToken
+            )
+        elif args.kind == "provisioner":
+            msgspec.convert(fields, provisioner_wire.CreateProvisionerToken)
+        else:
+            msgspec.convert({**fields, "kind": args.kind}, admin_wire.CreateApiKey)
+    except msgspec.ValidationError as error:
+        raise InvalidInput(f"invalid token request: {error}") from error
+
+
+async def _create_token(conn: Any, args: argparse.Namespace) -> tuple[Any, str]:
+    ttl = _ttl(args.ttl)
+    if args.kind == "registration":
+        return await credentials.create_manual_token(
+            conn, workspace_id=args.workspace, name=args.name, ttl=ttl
+        )
+    if args.kind == "provisioner":
+        return await provisioners.create(conn, name=args.name, workspace_id=args.workspace, ttl=ttl)
+    return await credentials.create_api_key(
+        conn, kind=args.kind, name=args.name, workspace_id=args.workspace, ttl=ttl
+    )
+
+
+async def _list_tokens(conn: Any, args: argparse.Namespace) -> list[Any]:
+    if args.kind == "registration":
+        return list(await credentials.list_manual_tokens(conn, args.workspace))
+    if args.kind == "provisioner":
+        return list(await provisioners.list_all(conn, args.workspace))
+    return list(await credentials.list_api_keys(conn, args.kind))
+
+
+async def _revoke_token(conn: Any, args: argparse.Namespace) -> Any:
+    if args.kind == "registration":
+        return await credentials.revoke_manual_token(conn, args.id)
+    if args.kind == "provisioner":
+        return await provisioners.revoke(conn, args.id)
+    return await credentials.revoke_api_key(conn, args.id)
+
+
+def _cmd_tokens(config: settings.Settings, args: argparse.Namespace) -> None:
+    if args.action == "create":
+        if args.kind == "registration" and args.workspace is None:
+            raise InvalidInput("registration tokens need --workspace")
+        if args.kind == "admin" and args.workspace is not None:
+            raise InvalidInput("admin keys are installation-wide: omit --workspace")
+        _checked_create(args)
+
+    async def work(conn: Any) -> None:
+        if args.action == "create":
+            created, raw = await _create_token(conn, args)
+            _print({"credential": created, "token": raw})
+        elif args.action == "list":
+            for item in await _list_tokens(conn, args):
+                _print(item)
+        else:
+            _print(await _revoke_token(conn, args))
+
+    anyio.run(lambda: _with_db(config, work))
+
+
+def with_address(config: settings.Settings, args: argparse.Namespace) -> settings.Settings:
+    """`--host` and `--port` (serve, dev) over the settings file and environment."""
+    host, port = getattr(args, "host", None), getattr(args, "port", None)
+    if host is None and port is None:
+        return config
+    if host is not None and (not host or host != host.strip() or " " in host):
+        raise InvalidInput("--host must be an address or host name, without spaces")
+    server = msgspec.structs.replace(
+        config.server,
+        host=config.server.host if host is None else host,
+        port=config.server.port if port is None else port,
+    )
+    return msgspec.structs.replace(config, server=server)

@@ -1,0 +1,197 @@
+"""Read models of job executions for operators: a list across the three tables, one execution in
+full, and who could take each pending label set (domain/waiting.py reads the last).
+
+Reads only; no locks beyond what a snapshot takes. An ended execution keeps only its tombstone
+(outcome, who ended it, when, exit code and output tail): no labels, so the labels filter applies
+to pending and running executions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from uuid import UUID
+
+import asyncpg
+
+from controlplane.domain.waiting import Takers
+from controlplane.store.pool import Conn
+
+STATUSES = ("pending", "running", "ended")
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    job_execution_id: UUID
+    status: str  # 'pending', 'running' or 'ended'
+    workspace_id: UUID | None
+    job_id: UUID | None
+    required_labels: tuple[str, ...] | None  # None once ended: the tombstone keeps none
+    enqueued_at: datetime | None
+    started_at: datetime | None
+    ended_at: datetime | None
+    changed_at: datetime  # enqueued, started or ended: what "newest first" sorts on
+    runner_session_id: UUID | None
+    cancel_requested: bool
+    outcome: str | None
+    ended_by: str | None
+    exit_code: int | None
+    output_tail: str | None
+
+
+# One row shape for the three tables. A running row's tombstone may already exist (a cancelled
+# lease draining): the execution is then listed once, as ended.
+_ALL = """
+    SELECT 'pending' AS status, p.job_execution_id, p.workspace_id, p.job_id, p.required_labels,
+           p.enqueued_at, NULL::timestamptz AS started_at, NULL::timestamptz AS ended_at,
+           p.enqueued_at AS changed_at, NULL::uuid AS runner_session_id,
+           false AS cancel_requested, NULL AS outcome, NULL AS ended_by,
+           NULL::integer AS exit_code, NULL AS output_tail
+    FROM pending_jobs p
+    WHERE NOT EXISTS (SELECT 1 FROM ended_executions e
+                      WHERE e.job_execution_id = p.job_execution_id)
+    UNION ALL
+    SELECT 'running', r.job_execution_id, r.workspace_id, r.job_id, r.required_labels,
+           NULL, r.started_at, NULL, r.started_at, r.runner_session_id,
+           r.cancellation_requested_at IS NOT NULL, NULL, NULL, NULL, NULL
+    FROM running_jobs r
+    WHERE NOT EXISTS (SELECT 1 FROM ended_executions e
+                      WHERE e.job_execution_id = r.job_execution_id)
+    UNION ALL
+    SELECT 'ended', e.job_execution_id, e.workspace_id, e.job_id, NULL,
+           NULL, NULL, e.ended_at, e.ended_at, NULL, false, e.outcome, e.ended_by, e.exit_code,
+           e.output_tail
+    FROM ended_executions e
+"""
+
+
+def _view(row: asyncpg.Record, *, with_tail: bool) -> JobView:
+    labels = row["required_labels"]
+    return JobView(
+        job_execution_id=row["job_execution_id"],
+        status=row["status"],
+        workspace_id=row["workspace_id"],
+        job_id=row["job_id"],
+        required_labels=None if labels is None else tuple(labels),
+        enqueued_at=row["enqueued_at"],
+        started_at=row["started_at"],
+        ended_at=row["ended_at"],
+        changed_at=row["changed_at"],
+        runner_session_id=row["runner_session_id"],
+        cancel_requested=row["cancel_requested"],
+        outcome=row["outcome"],
+        ended_by=row["ended_by"],
+        exit_code=row["exit_code"],
+        output_tail=row["output_tail"] if with_tail else None,
+    )
+
+
+async def list_jobs(
+    conn: Conn,
+    *,
+    workspace_id: UUID | None,
+    status: str | None,
+    labels: Sequence[str] | None,
+    before: tuple[datetime, UUID] | None,
+    limit: int,
+) -> list[JobView]:
+    """Newest change first (enqueued, started or ended), then execution id; a page strictly
+    before `before`. Labels match executions that require all of them."""
+    rows = await conn.fetch(
+        f"""
+        SELECT * FROM ({_ALL}) AS j
+        WHERE ($1::uuid IS NULL OR j.workspace_id = $1)
+          AND ($2::text IS NULL OR j.status = $2)
+          AND ($3::text[] IS NULL OR j.required_labels @> $3)
+          AND ($4::timestamptz IS NULL OR (j.changed_at, j.job_execution_id) < ($4, $5::uuid))
+        ORDER BY j.changed_at DESC, j.job_execution_id DESC
+        LIMIT $6
+        """,
+        workspace_id,
+        status,
+        None if labels is None else list(labels),
+        None if before is None else before[0],
+        None if before is None else before[1],
+        limit,
+    )
+    return [_view(row, with_tail=False) for row in rows]
+
+
+async def one_job(conn: Conn, job_execution_id: UUID) -> JobView | None:
+    row = await conn.fetchrow(
+        f"SELECT * FROM ({_ALL}) AS j WHERE j.job_execution_id = $1", job_execution_id
+    )
+    return None if row is None else _view(row, with_tail=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingGroup:
+    workspace_id: UUID
+    required_labels: tuple[str, ...]
+    pending: int
+    oldest_enqueued_at: datetime
+    takers: Takers
+
+
+_TAKERS = """
+    WITH live_runners AS (
+        SELECT s.id, s.labels,
+               EXISTS (SELECT 1 FROM running_jobs r WHERE r.runner_session_id = s.id) AS busy
+        FROM runner_sessions s
+        WHERE s.workspace_id = $1 AND s.revoked_at IS NULL
+          AND s.updated_at > now() - $3::interval
+          AND (s.max_claims IS NULL OR s.claims_used < s.max_claims)
+    ), live_templates AS (
+        SELECT t.labels
+        FROM provisioner_templates t
+        JOIN provisioner_tokens p ON p.id = t.provisioner_id
+        JOIN provisioner_sessions ps ON ps.provisioner_id = p.id
+        WHERE (p.workspace_id = $1 OR p.workspace_id IS NULL)
+          AND p.revoked_at IS NULL AND (p.expires_at IS NULL OR p.expires_at > now())
+          AND ps.last_seen_at > now() - $3::interval
+    )
+    SELECT
+        (SELECT count(*) FROM live_runners WHERE labels @> $2) AS live,
+        (SELECT count(*) FROM live_runners WHERE labels @> $2 AND busy) AS busy,
+        (SELECT count(*) FROM live_templates WHERE labels @> $2) AS templates,
+        ARRAY(SELECT DISTINCT unnest(labels) FROM live_runners
+              UNION SELECT DISTINCT unnest(labels) FROM live_templates) AS offered
+"""
+
+
+async def takers(
+    conn: Conn, workspace_id: UUID, labels: Sequence[str], window: timedelta
+) -> Takers:
+    """Who could take jobs of `labels` in the workspace: runners seen within `window` with claims
+    left, and templates of provisioners whose session was seen within it."""
+    row = await conn.fetchrow(_TAKERS, workspace_id, list(labels), window)
+    assert row is not None
+    return Takers(row["live"], row["busy"], row["templates"], frozenset(row["offered"]))
+
+
+async def pending_groups(conn: Conn, window: timedelta, limit: int = 1000) -> list[PendingGroup]:
+    """Each (workspace, label set) with pending executions, oldest first, with its takers."""
+    rows = await conn.fetch(
+        """
+        SELECT workspace_id, required_labels, count(*) AS pending,
+               min(enqueued_at) AS oldest
+        FROM pending_jobs p
+        WHERE NOT EXISTS (SELECT 1 FROM ended_executions e
+                          WHERE e.job_execution_id = p.job_execution_id)
+        GROUP BY workspace_id, required_labels
+        ORDER BY oldest, workspace_id
+        LIMIT $1
+        """,
+        limit,
+    )
+    return [
+        PendingGroup(
+            workspace_id=row["workspace_id"],
+            required_labels=tuple(row["required_labels"]),
+            pending=row["pending"],
+            oldest_enqueued_at=row["oldest"],
+            takers=await takers(conn, row["workspace_id"], row["required_labels"], window),
+        )
+        for row in rows
+    ]

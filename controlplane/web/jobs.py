@@ -1,0 +1,162 @@
+"""Operators' job routes (admin key): list executions, show one with why it waits, cancel one,
+and the pending label sets with who could take them (`controlplane jobs`, `status`)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from controlplane.domain.jobs import Outcome
+from controlplane.domain.labels import label_error
+from controlplane.domain.waiting import Takers, Waiting, why_waiting
+from controlplane.errors import InvalidInput, NotFound
+from controlplane.store import job_views, leases
+from controlplane.web import auth
+from controlplane.web.edge import json_response, path_uuid, query_only, query_uuid
+from controlplane.web.paging import PAGE_QUERY, cut, page_of
+from controlplane.wire import jobs as wire
+
+# A runner or provisioner session seen this recently counts as able to take work, as in the
+# admin runner view (web/admin.py ACTIVE_WINDOW_SECONDS).
+TAKER_WINDOW = timedelta(seconds=60)
+MAX_LABELS = 20
+
+
+def _job(view: job_views.JobView) -> wire.JobOut:
+    return wire.JobOut(
+        job_execution_id=view.job_execution_id,
+        status=view.status,  # type: ignore[arg-type]
+        workspace_id=view.workspace_id,
+        job_id=view.job_id,
+        required_labels=None if view.required_labels is None else list(view.required_labels),
+        enqueued_at=view.enqueued_at,
+        started_at=view.started_at,
+        ended_at=view.ended_at,
+        runner_session_id=view.runner_session_id,
+        cancel_requested=view.cancel_requested,
+        outcome=view.outcome,
+        ended_by=view.ended_by,
+        exit_code=view.exit_code,
+    )
+
+
+def waiting_out(waiting: Waiting, takers: Takers) -> wire.WaitingOut:
+    return wire.WaitingOut(
+        stuck=waiting.stuck,
+        missing_labels=list(waiting.missing_labels),
+        reason=waiting.reason,
+        live_runners=takers.live_runners,
+        busy_runners=takers.busy_runners,
+        templates=takers.templates,
+    )
+
+
+def _labels(request: Request) -> list[str] | None:
+    raw = request.query_params.get("labels")
+    if raw is None:
+        return None
+    labels = [label.strip().lower() for label in raw.split(",")]
+    if not raw or len(labels) > MAX_LABELS:
+        raise InvalidInput(f"query labels must name 1 to {MAX_LABELS} labels", field="labels")
+    for label in labels:
+        if problem := label_error(label):
+            raise InvalidInput(f"query labels: {problem}", field="labels")
+    return labels
+
+
+async def list_jobs(request: Request) -> Response:
+    svc = await auth.admin(request)
+    query_only(request, "workspace_id", "status", "labels", *PAGE_QUERY)
+    status = request.query_params.get("status")
+    if status is not None and status not in job_views.STATUSES:
+        raise InvalidInput("query status must be pending, running or ended", field="status")
+    page = page_of(request)
+    async with svc.pool.acquire() as conn:
+        rows = await job_views.list_jobs(
+            conn,
+            workspace_id=query_uuid(request, "workspace_id"),
+            status=status,
+            labels=_labels(request),
+            before=page.before,
+            limit=page.fetch,
+        )
+    shown, next_cursor = cut(rows, page, lambda row: (row.changed_at, row.job_execution_id))
+    return json_response(wire.JobList(items=[_job(row) for row in shown], next_cursor=next_cursor))
+
+
+async def show_job(request: Request) -> Response:
+    svc = await auth.admin(request)
+    query_only(request)
+    execution = path_uuid(request, "job_execution_id")
+    async with svc.pool.acquire() as conn:
+        view = await job_views.one_job(conn, execution)
+        if view is None:
+            raise NotFound("no such job execution", job_execution_id=str(execution))
+        waiting = None
+        if view.status == "pending":
+            assert view.workspace_id is not None
+            assert view.required_labels is not None
+            takers = await job_views.takers(
+                conn, view.workspace_id, view.required_labels, TAKER_WINDOW
+            )
+            waiting = waiting_out(why_waiting(view.required_labels, takers), takers)
+    return json_response(
+        wire.JobDetail(job=_job(view), output_tail=view.output_tail, waiting=waiting)
+    )
+
+
+async def cancel_job(request: Request) -> Response:
+    """An operator ends an execution, as the orchestrator's cancel does: a pending one leaves the
+    queue, a running one's runner hears the cancel on its held heartbeat."""
+    svc = await auth.admin(request)
+    query_only(request)
+    execution = path_uuid(request, "job_execution_id")
+    async with svc.pool.acquire() as conn:
+        if await job_views.one_job(conn, execution) is None:
+            raise NotFound("no such job execution", job_execution_id=str(execution))
+        result = await leases.reconcile(
+            conn, execution, Outcome.CANCELLED, "cancelled by an operator"
+        )
+    if result.newly_ended:
+        svc.signal_events()
+    return json_response(
+        wire.JobCancelled(
+            was_pending=result.was_pending,
+            was_running=result.was_running,
+            newly_ended=result.newly_ended,
+        )
+    )
+
+
+async def pending_groups(request: Request) -> Response:
+    svc = await auth.admin(request)
+    query_only(request)
+    async with svc.pool.acquire() as conn:
+        groups = await job_views.pending_groups(conn, TAKER_WINDOW)
+    return json_response(
+        wire.PendingGroupList(
+            items=[
+                wire.PendingGroupOut(
+                    workspace_id=group.workspace_id,
+                    labels=list(group.required_labels),
+                    pending=group.pending,
+                    oldest_enqueued_at=group.oldest_enqueued_at,
+                    waiting=waiting_out(
+                        why_waiting(group.required_labels, group.takers), group.takers
+                    ),
+                )
+                for group in groups
+            ]
+        )
+    )
+
+
+routes = [
+    Route("/v1/admin/jobs", list_jobs, methods=["GET"]),
+    Route("/v1/admin/jobs/{job_execution_id}", show_job, methods=["GET"]),
+    Route("/v1/admin/jobs/{job_execution_id}/cancel", cancel_job, methods=["POST"]),
+    Route("/v1/admin/queue/pending", pending_groups, methods=["GET"]),
+]
