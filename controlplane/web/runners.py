@@ -341,7 +341,7 @@ async def complete(request: Request) -> Response:
             lease.identity.job_execution_id,
             lease.runner_session_id,
             Outcome(body.outcome),
-            body.exit_code,
+            body.exit_status,
         )
     if ended.newly_ended:
         svc.signal_events()  # its `job.completed` event is committed
