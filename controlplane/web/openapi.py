@@ -590,7 +590,9 @@ def document(routes: Sequence[BaseRoute], settings: Settings | None = None) -> d
             "title": "controlplane",
             "version": version("controlplane"),
             "description": "Dispatches CI job executions to self-hosted runners. Every error "
-            "body is an ErrorEnvelope. Strings never hold NUL (U+0000). Guide: docs/api.md.",
+            "body is an ErrorEnvelope. Strings never hold NUL (U+0000). A credential is sent "
+            "as `Authorization: Bearer <token>`, exactly one space between the two (the scheme "
+            "in any case). Guide: docs/api.md.",
         },
         "paths": paths,
         "components": {

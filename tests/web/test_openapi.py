@@ -160,3 +160,15 @@ async def test_routes_with_a_token_refuse_a_missing_one_as_documented(api: Api) 
             )
             checked += 1
     assert checked == 28
+
+
+async def test_bearer_takes_exactly_one_space_as_documented(api: Api) -> None:
+    document = await _served(api)
+    assert "`Authorization: Bearer <token>`, exactly one space" in document["info"]["description"]
+    for header in (f"Bearer {api.admin_key}", f"bearer {api.admin_key}"):
+        response = await api.http.get("/v1/admin/queue", headers={"Authorization": header})
+        assert response.status_code == 200, header
+    for header in (f"Bearer  {api.admin_key}", f"Bearer   {api.admin_key}"):
+        response = await api.http.get("/v1/admin/queue", headers={"Authorization": header})
+        assert response.status_code == 401, header
+        assert response.json()["error"]["code"] == "unauthorized"
