@@ -137,9 +137,13 @@ MAXIMA = {
 
 
 def _wait(default: str, key: str) -> dict[str, Any]:
-    high = f"{MAXIMA[key]} (default {knob(_KNOBS, MAXIMA[key]):g})"
-    text = f"Seconds to hold the request; 0 answers at once. Default {default}, at most {high}."
-    return _query("wait", {"type": "number", "minimum": 0, "maximum": 0}, text)
+    """The `wait` parameter; its maximum is the serving daemon's (`_Build.parameter`)."""
+    high = knob(_KNOBS, MAXIMA[key])
+    text = (
+        f"Seconds to hold the request; 0 answers at once. Default {default}, at most "
+        f"{MAXIMA[key]} (default {high:g})."
+    )
+    return _query("wait", {"type": "number", "minimum": 0, "maximum": high}, text)
 
 
 _UUID = {"type": "string", "format": "uuid"}
