@@ -49,7 +49,7 @@ def _out(credential: Credential) -> wire.CredentialOut:
     )
 
 
-def _ttl(seconds: int | None) -> timedelta | None:
+def _ttl(seconds: float | None) -> timedelta | None:
     return None if seconds is None else timedelta(seconds=seconds)
 
 
@@ -57,8 +57,6 @@ async def create_api_key(request: Request) -> Response:
     actor = await auth.api_key(request, "admin")
     svc = auth.services(request)
     body = await read_json(request, wire.CreateApiKey, svc.settings.server.max_body_bytes)
-    if body.kind == "admin" and body.workspace_id is not None:
-        raise InvalidInput("admin keys are installation-wide: omit workspace_id")
     kind = tokens.Kind.ADMIN_KEY if body.kind == "admin" else tokens.Kind.ORCHESTRATOR_KEY
 
     async def create(conn: Conn, token: tokens.Opaque | None) -> tuple[Credential, str]:

@@ -5,13 +5,18 @@ a route, so the table cannot drift from the app. Bodies are the msgspec Structs 
 and encode (schemas under components/schemas); error statuses come from web/errors.py's table.
 The error codes of a row are completed from what it declares: its token kind's auth codes, a body's
 `validation-error` and `payload-too-large`, a path or query parameter's `validation-error`.
-Nothing here reads the daemon's settings (limits are named by knob, with the built-in default), so
-every daemon serves the same document. `python -m controlplane.web.openapi > docs/openapi.json`
-writes it; tests/web/test_openapi.py checks that file against what a running daemon serves.
+
+The document says what the server enforces, so that a request valid by it is not refused: body
+schemas are msgspec's own (the constraints the decoder applies), query parameters carry the ranges
+and patterns their parsers apply, and the limits that are settings (long-poll maxima, the batch
+size) are the serving daemon's. Descriptions name each knob with its built-in default.
+`python -m controlplane.web.openapi > docs/openapi.json` writes the document of the default
+settings; tests/web/test_openapi.py checks that file, and what a running daemon serves.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,12 +29,13 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from controlplane import errors
+from controlplane.domain.labels import MAX_LABEL_LENGTH
 from controlplane.settings import Settings
 from controlplane.store import ephemeral
 from controlplane.web.edge import json_response
 from controlplane.web.errors import STATUS
 from controlplane.wire import admin, jobs, orchestrator, provisioners, runner_control, runners
-from controlplane.wire.common import ErrorEnvelope
+from controlplane.wire.common import LABEL_PATTERN, ErrorEnvelope
 
 _REF = "#/components/schemas/{name}"
 _TEXT = "text/plain"
@@ -116,24 +122,53 @@ ERRORS: dict[str, tuple[type[errors.ControlPlaneError], str]] = {
 # fmt: on
 
 
+# 1 to 20 labels, comma-separated, each as the label grammar says (web/jobs.py checks the same).
+_ONE_LABEL = f"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_LABEL_LENGTH - 1}}}"
+_LABEL_LIST = f"^{_ONE_LABEL}(,{_ONE_LABEL}){{0,19}}$"
+
+
 def _query(name: str, schema: dict[str, Any], text: str) -> dict[str, Any]:
     return {"name": name, "in": "query", "required": False, "schema": schema, "description": text}
 
 
-def _wait(default: str, knob: str) -> dict[str, Any]:
-    section, _, name = knob.partition(".")
-    high = f"{knob} (default {getattr(getattr(_KNOBS, section), name):g})"
-    text = f"Seconds to hold the request; 0 answers at once. Default {default}, at most {high}."
-    return _query("wait", {"type": "number", "minimum": 0}, text)
+def knob(settings: Settings, name: str) -> Any:
+    section, _, field_name = name.partition(".")
+    return getattr(getattr(settings, section), field_name)
+
+
+# Query parameters whose maximum is a setting: parameter key -> knob.
+MAXIMA = {
+    "wait:job": "runners.long_poll_max_seconds",
+    "wait:cancel": "runners.cancel_wait_max_seconds",
+    "wait:events": "runners.long_poll_max_seconds",
+}
+
+
+def _wait(default: str, key: str) -> dict[str, Any]:
+    """The `wait` parameter; its maximum is the serving daemon's (`_Build.parameter`)."""
+    high = knob(_KNOBS, MAXIMA[key])
+    text = (
+        f"Seconds to hold the request; 0 answers at once. Default {default}, at most "
+        f"{MAXIMA[key]} (default {high:g})."
+    )
+    return _query("wait", {"type": "number", "minimum": 0, "maximum": high}, text)
 
 
 _UUID = {"type": "string", "format": "uuid"}
 _LIMIT = {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}
+# Each part fits the column it is compared with (xid8, bigint) with digits to spare. Empty is
+# refused (400 invalid-cursor), like every empty query value.
+_EVENT_CURSOR = {"type": "string", "pattern": "^[0-9]{1,18}[.][0-9]{1,18}$"}
+_PAGE_CURSOR = {"type": "string", "minLength": 1, "pattern": "^[A-Za-z0-9_-]+$"}
 QUERY: dict[str, dict[str, Any]] = {
-    "wait:job": _wait("the maximum", "runners.long_poll_max_seconds"),
-    "wait:cancel": _wait("0", "runners.cancel_wait_max_seconds"),
-    "wait:events": _wait("0", "runners.long_poll_max_seconds"),
-    "after": _query("after", {"type": "string"}, "Cursor `<xid>.<seq>`; omitted: from the start."),
+    "wait:job": _wait("the maximum", "wait:job"),
+    "wait:cancel": _wait("0", "wait:cancel"),
+    "wait:events": _wait("0", "wait:events"),
+    "after": _query(
+        "after",
+        _EVENT_CURSOR,
+        "Cursor `<xid>.<seq>` (a `next_cursor`); omitted: from the start; empty: 400.",
+    ),
     "limit": _query("limit", _LIMIT, "The most events to return."),
     "workspace_id": _query("workspace_id", _UUID, "Only this workspace (scoped key: its own)."),
     "workspace_id:tokens": _query("workspace_id", _UUID, "Only this workspace's tokens."),
@@ -144,10 +179,10 @@ QUERY: dict[str, dict[str, Any]] = {
     ),
     "wait_seconds": _query(
         "wait_seconds",
-        {"type": "integer", "minimum": 1},
-        "Seconds to hold the request (at least 1); at most "
+        {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
+        "Seconds to hold the request (at least 1); more than "
         f"provisioners.assignment_poll_max_wait_seconds (default "
-        f"{_P.assignment_poll_max_wait_seconds}), which is also the default.",
+        f"{_P.assignment_poll_max_wait_seconds}, also the default) holds that long.",
     ),
     "state": _query(
         "state",
@@ -163,20 +198,22 @@ QUERY: dict[str, dict[str, Any]] = {
         "assigned: instances with a workspace; unassigned: without one.",
     ),
     "label": _query(
-        "label", {"type": "string"}, "Only instances with this label (matched canonicalised)."
+        "label",
+        {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_LENGTH, "pattern": LABEL_PATTERN},
+        "Only instances with this label (matched canonicalised).",
     ),
     "provisioner_id": _query("provisioner_id", _UUID, "Only this provisioner's instances."),
     "limit:page": _query(
         "limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 50}, "Page size."
     ),
     "cursor": _query(
-        "cursor", {"type": "string"}, "Opaque; the `next_cursor` of the previous page."
+        "cursor", _PAGE_CURSOR, "Opaque; the `next_cursor` of the previous page (another is 400)."
     ),
     "idempotency-key": {
         "name": "Idempotency-Key",
         "in": "header",
         "required": False,
-        "schema": {"type": "string", "minLength": 1, "maxLength": 256},
+        "schema": {"type": "string", "minLength": 1, "maxLength": 256, "pattern": "\\S"},
         "description": "Optional; 1-256 characters, not blank. A replay answers the first answer.",
     },
     "workspace_id:required": {
@@ -193,7 +230,7 @@ QUERY: dict[str, dict[str, Any]] = {
     ),
     "labels:jobs": _query(
         "labels",
-        {"type": "string", "minLength": 1},
+        {"type": "string", "pattern": _LABEL_LIST},
         "Comma-separated labels (1-20); only pending and running executions that require all "
         "of them (an ended execution keeps no labels).",
     ),
@@ -345,7 +382,7 @@ OPERATIONS: dict[str, Op] = {
         "Attach the provider identity (once)", RCS, runner_control.ProviderRunnerRequest,
         runner_control.ProviderRunnerResponse, "provider-runner-id-taken"),
     "POST /v1/runner-control/heartbeat": Op(
-        "Control session liveness", RCS, None, runner_control.HeartbeatResponse),
+        "Control session liveness", RCS, None, runner_control.ControlHeartbeatResponse),
     "GET /v1/runner-control/assignment": Op(
         "Long-poll for an assignment; answers an activation token", RCS, None,
         runner_control.ActivationResponse, query=("wait_seconds",)),
@@ -455,94 +492,150 @@ def codes(route: Route, op: Op) -> list[str]:
     return [code for code in ERRORS if code in found]
 
 
-def _schema(kind: Any) -> Any:
-    return {"$ref": _REF.format(name=kind.__name__)} if isinstance(kind, type) else kind
+@dataclass(frozen=True)
+class _Build:
+    """What one document is built with: the serving daemon's settings, and the `$ref` msgspec
+    gave each Struct (its name, qualified by module only when two Structs share one)."""
 
+    settings: Settings
+    refs: dict[type, dict[str, str]]
+    shared_names: set[str]  # endpoint names that two modules use (`heartbeat`)
 
-def _json(schema: Any) -> dict[str, Any]:
-    return {"application/json": {"schema": _schema(schema)}}
+    def operation_id(self, route: Route, method: str) -> str:
+        """The endpoint's name; prefixed with its module's when shared, as operationIds are
+        unique in a document."""
+        module, name = _endpoint_name(route, method)
+        return f"{module}_{name}" if name in self.shared_names else name
 
+    def schema(self, kind: Any) -> Any:
+        return self.refs[kind] if isinstance(kind, type) else kind
 
-def _errors(found: Sequence[str]) -> dict[str, Any]:
-    by_status: dict[int, list[str]] = {}
-    for code in found:
-        by_status.setdefault(status(code), []).append(code)
-    out: dict[str, Any] = {}
-    for value, group in sorted(by_status.items()):
-        only = {"properties": {"error": {"properties": {"code": {"enum": group}}}}}
-        out[str(value)] = {
-            "description": "; ".join(f"`{code}`: {ERRORS[code][1]}" for code in group),
-            "content": _json({"allOf": [_schema(ErrorEnvelope), only]}),
-            **({"headers": _RETRY} if value in (429, 503) else {}),
+    def json(self, schema: Any) -> dict[str, Any]:
+        return {"application/json": {"schema": self.schema(schema)}}
+
+    def errors(self, found: Sequence[str]) -> dict[str, Any]:
+        by_status: dict[int, list[str]] = {}
+        for code in found:
+            by_status.setdefault(status(code), []).append(code)
+        out: dict[str, Any] = {}
+        for value, group in sorted(by_status.items()):
+            only = {"properties": {"error": {"properties": {"code": {"enum": group}}}}}
+            out[str(value)] = {
+                "description": "; ".join(f"`{code}`: {ERRORS[code][1]}" for code in group),
+                "content": self.json({"allOf": [self.schema(ErrorEnvelope), only]}),
+                **({"headers": _RETRY} if value in (429, 503) else {}),
+            }
+        return out
+
+    def parameter(self, key: str) -> dict[str, Any]:
+        found = QUERY[key]
+        if key not in MAXIMA:
+            return found
+        found = copy.deepcopy(found)
+        found["schema"]["maximum"] = knob(self.settings, MAXIMA[key])
+        return found
+
+    def operation(self, route: Route, method: str, key: str, op: Op) -> dict[str, Any]:
+        ok: dict[str, Any] = {"description": op.summary}
+        if op.answer is _TEXT:
+            ok["content"] = {_TEXT: {"schema": {"type": "string"}}}
+        elif op.answer is not None:
+            ok["content"] = self.json(op.answer)
+        out: dict[str, Any] = {
+            "operationId": self.operation_id(route, method),
+            "summary": op.summary,
+            "tags": [op.tag or (SECURITY[op.auth][0] if op.auth else "health")],
         }
-    return out
+        if key in NOTES:
+            out["description"] = NOTES[key]
+        if op.auth is not None:
+            out["security"] = [{name: []} for name in (op.auth, *op.alternative_auth)]
+        path = [
+            {"name": name, "in": "path", "required": True, "schema": _UUID}
+            for name in route.param_convertors
+        ]
+        if parameters := path + [self.parameter(name) for name in op.query]:
+            out["parameters"] = parameters
+        if op.body is not None:
+            # An optional body may also be `null` (or absent: not required).
+            body = (
+                {"anyOf": [self.schema(op.body), {"type": "null"}]} if op.optional_body else op.body
+            )
+            out["requestBody"] = {"required": not op.optional_body, "content": self.json(body)}
+        out["responses"] = {str(op.ok): ok, **op.also, **self.errors(codes(route, op))}
+        return out
 
 
-def _operation(route: Route, key: str, op: Op) -> dict[str, Any]:
-    ok: dict[str, Any] = {"description": op.summary}
-    if op.answer is _TEXT:
-        ok["content"] = {_TEXT: {"schema": {"type": "string"}}}
-    elif op.answer is not None:
-        ok["content"] = _json(op.answer)
-    out: dict[str, Any] = {
-        "operationId": getattr(route.endpoint, "__name__", route.name),
-        "summary": op.summary,
-        "tags": [op.tag or (SECURITY[op.auth][0] if op.auth else "health")],
-    }
-    if key in NOTES:
-        out["description"] = NOTES[key]
-    if op.auth is not None:
-        out["security"] = [{name: []} for name in (op.auth, *op.alternative_auth)]
-    path = [
-        {"name": name, "in": "path", "required": True, "schema": _UUID}
-        for name in route.param_convertors
-    ]
-    if parameters := path + [QUERY[name] for name in op.query]:
-        out["parameters"] = parameters
-    if op.body is not None:
-        out["requestBody"] = {"required": not op.optional_body, "content": _json(op.body)}
-    out["responses"] = {str(op.ok): ok, **op.also, **_errors(codes(route, op))}
-    return out
+def _endpoint_name(route: Route, method: str) -> tuple[str, str]:
+    """(module, name) of the endpoint serving `method` on `route` (a Resource has one each)."""
+    endpoint = getattr(route, "endpoints", {}).get(method, route.endpoint)
+    module = getattr(endpoint, "__module__", "").rsplit(".", 1)[-1]
+    return module, getattr(endpoint, "__name__", route.name)
 
 
 def _structs() -> list[type]:
     found: set[type] = {ErrorEnvelope}
     for op in OPERATIONS.values():
         found.update(kind for kind in (op.body, op.answer) if isinstance(kind, type))
-    return sorted(found, key=lambda kind: kind.__name__)
+    return sorted(found, key=lambda kind: (kind.__name__, kind.__module__))
 
 
-def document(routes: Sequence[BaseRoute]) -> dict[str, Any]:
-    """The document for `routes`. Raises ValueError when a route and OPERATIONS disagree."""
-    paths: dict[str, dict[str, Any]] = {}
-    seen: set[str] = set()
+def _components(settings: Settings) -> tuple[dict[type, dict[str, str]], dict[str, Any]]:
+    """msgspec's schemas of every Struct, with the rules a Struct checks beyond its fields'
+    constraints (its `json_schema_extra`) and the limits that are settings."""
+    kinds = _structs()
+    refs, schemas = msgspec.json.schema_components(kinds, ref_template=_REF)
+    by_kind = dict(zip(kinds, refs, strict=True))
+    for kind, ref in by_kind.items():
+        name = ref["$ref"].rsplit("/", 1)[1]
+        schemas[name].update(getattr(kind, "json_schema_extra", {}))
+    enqueue = schemas[by_kind[orchestrator.EnqueueRequest]["$ref"].rsplit("/", 1)[1]]
+    enqueue["properties"]["jobs"]["maxItems"] = settings.queue.max_batch_size
+    return by_kind, dict(sorted(schemas.items()))
+
+
+def document(routes: Sequence[BaseRoute], settings: Settings | None = None) -> dict[str, Any]:
+    """The document for `routes` served with `settings` (default: the built-in defaults).
+    Raises ValueError when a route and OPERATIONS disagree."""
+    settings = settings or _KNOBS
+    refs, schemas = _components(settings)
+    http: list[tuple[Route, str]] = []
     for route in routes:
         if isinstance(route, WebSocketRoute):
             continue  # OpenAPI has no WebSocket; docs/provisioner-protocol.md describes it
         if not isinstance(route, Route):
             raise ValueError(f"cannot document {route!r}")
-        for method in sorted((route.methods or set()) - {"HEAD"}):
-            key = f"{method} {route.path}"
-            if key not in OPERATIONS:
-                raise ValueError(f"{key} has no row in OPERATIONS")
-            seen.add(key)
-            paths.setdefault(route.path, {})[method.lower()] = _operation(
-                route, key, OPERATIONS[key]
-            )
+        http.extend((route, method) for method in sorted((route.methods or set()) - {"HEAD"}))
+    modules: dict[str, set[str]] = {}
+    for route, method in http:
+        module, name = _endpoint_name(route, method)
+        modules.setdefault(name, set()).add(module)
+    build = _Build(settings, refs, {name for name, found in modules.items() if len(found) > 1})
+    paths: dict[str, dict[str, Any]] = {}
+    seen: set[str] = set()
+    for route, method in http:
+        key = f"{method} {route.path}"
+        if key not in OPERATIONS:
+            raise ValueError(f"{key} has no row in OPERATIONS")
+        seen.add(key)
+        paths.setdefault(route.path, {})[method.lower()] = build.operation(
+            route, method, key, OPERATIONS[key]
+        )
     if missing := sorted(set(OPERATIONS) - seen):
         raise ValueError(f"OPERATIONS rows without a route: {missing}")
-    _, schemas = msgspec.json.schema_components(_structs(), ref_template=_REF)
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "controlplane",
             "version": version("controlplane"),
             "description": "Dispatches CI job executions to self-hosted runners. Every error "
-            "body is an ErrorEnvelope. Guide: docs/api.md.",
+            "body is an ErrorEnvelope. Strings never hold NUL (U+0000). A credential is sent "
+            "as `Authorization: Bearer <token>`, exactly one space between the two (the scheme "
+            "in any case). Guide: docs/api.md.",
         },
         "paths": paths,
         "components": {
-            "schemas": dict(sorted(schemas.items())),
+            "schemas": schemas,
             "securitySchemes": {
                 name: {"type": "http", "scheme": "bearer", "description": text}
                 for name, (_, _, text) in SECURITY.items()
@@ -559,7 +652,8 @@ async def openapi_json(request: Request) -> Response:
     """GET /openapi.json: the document for this app's routes, built on first use."""
     state = request.app.state
     if getattr(state, "openapi", None) is None:
-        state.openapi = document(request.app.routes)
+        services = getattr(state, "services", None)
+        state.openapi = document(request.app.routes, services and services.settings)
     return json_response(state.openapi)
 
 

@@ -28,10 +28,10 @@ from controlplane.web.edge import json_response, query_integer, query_only, read
 from controlplane.web.services import Services
 from controlplane.wire.runner_control import (
     ActivationResponse,
+    ControlHeartbeatResponse,
     EnrollmentRequest,
     ExchangeRequest,
     ExchangeResponse,
-    HeartbeatResponse,
     ProviderRunnerRequest,
     ProviderRunnerResponse,
 )
@@ -171,7 +171,7 @@ async def heartbeat(request: Request) -> Response:
     async with svc.pool.acquire() as conn:
         await runner_instances.heartbeat(conn, session)
     metrics.control_heartbeats.inc()
-    return json_response(HeartbeatResponse(ok=True))
+    return json_response(ControlHeartbeatResponse(ok=True))
 
 
 def resolve_wait(requested: int | None, cap: int) -> int:

@@ -351,7 +351,7 @@ async def complete(request: Request) -> Response:
             lease.identity.job_execution_id,
             lease.runner_session_id,
             Outcome(body.outcome),
-            body.exit_code,
+            body.exit_status,
             _kept_tail(body.output_tail, svc.settings.runners.output_tail_bytes),
         )
     if ended.newly_ended:

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
-import unicodedata
+import re
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 from uuid import UUID
 
 import msgspec
 
-from controlplane.wire.common import Name, Strict
+from controlplane.wire.common import PLAIN_TEXT_PATTERN, Name, Strict, whole
 
-TtlSeconds = Annotated[int, msgspec.Meta(ge=1, le=31_536_000)]
+# A float that is a whole number: JSON Schema's `integer` admits 5.0 as well as 5.
+TtlSeconds = Annotated[
+    float, msgspec.Meta(ge=1, le=31_536_000, multiple_of=1, description="Whole seconds.")
+]
+_PLAIN_TEXT = re.compile(PLAIN_TEXT_PATTERN)
 RevocationReason = Annotated[
     str,
     msgspec.Meta(
         min_length=1,
         max_length=512,
         description="Not blank; no control (Unicode Cc) or format (Cf) characters.",
+        # Enforced by Revoke.__post_init__ with the same pattern, for a readable message.
+        extra_json_schema={"pattern": PLAIN_TEXT_PATTERN},
     ),
 ]
 
@@ -34,7 +40,7 @@ class Revoke(Strict):
             return
         if not self.reason.strip():
             raise ValueError("reason must not be blank")
-        if any(unicodedata.category(char) in ("Cc", "Cf") for char in self.reason):
+        if _PLAIN_TEXT.search(self.reason) is None:
             raise ValueError("reason must not contain control or format characters")
 
 
@@ -44,11 +50,27 @@ class CreateApiKey(Strict):
     workspace_id: UUID | None = None
     ttl_seconds: TtlSeconds | None = None
 
+    # What __post_init__ refuses, in JSON Schema (web/openapi.py adds it to the component).
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "anyOf": [
+            {"properties": {"kind": {"const": "orchestrator"}}},
+            {"properties": {"workspace_id": {"type": "null"}}},
+        ]
+    }
+
+    def __post_init__(self) -> None:
+        if self.kind == "admin" and self.workspace_id is not None:
+            raise ValueError("admin keys are installation-wide: omit workspace_id")
+        self.ttl_seconds = whole(self.ttl_seconds)
+
 
 class CreateRegistrationToken(Strict):
     workspace_id: UUID
     name: Name
     ttl_seconds: TtlSeconds | None = None
+
+    def __post_init__(self) -> None:
+        self.ttl_seconds = whole(self.ttl_seconds)
 
 
 class CredentialOut(Strict):

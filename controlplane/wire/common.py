@@ -1,16 +1,19 @@
-"""Wire pieces shared by several routes: labels, capabilities, the error envelope."""
+"""Wire pieces shared by several routes: labels, capabilities, the error envelope, and the
+text and number rules that the OpenAPI document publishes as they are enforced."""
 
 from __future__ import annotations
 
+import sys
+import unicodedata
 from typing import Annotated, Any
 
 import msgspec
 
 from controlplane.domain.labels import MAX_LABEL_LENGTH, MAX_LABELS
 
+LABEL_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._-]*$"
 Label = Annotated[
-    str,
-    msgspec.Meta(min_length=1, max_length=MAX_LABEL_LENGTH, pattern="^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+    str, msgspec.Meta(min_length=1, max_length=MAX_LABEL_LENGTH, pattern=LABEL_PATTERN)
 ]
 Labels = Annotated[list[Label], msgspec.Meta(min_length=1, max_length=MAX_LABELS)]
 ToolName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -21,12 +24,44 @@ Reason = Annotated[str, msgspec.Meta(min_length=1, max_length=512, pattern=r"^[^
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$")]
 
 
+def _refused_characters() -> str:
+    """A regex character class body of every control (Cc) and format (Cf) character, as ranges
+    (BMP ones escaped, the few astral ones literal: valid in Python and in ECMA-262 with the
+    `u` flag that JSON Schema implies)."""
+    found = [c for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) in ("Cc", "Cf")]
+    ranges: list[list[int]] = []
+    for code in found:
+        if ranges and ranges[-1][1] == code - 1:
+            ranges[-1][1] = code
+        else:
+            ranges.append([code, code])
+
+    def one(code: int) -> str:
+        return f"\\u{code:04x}" if code <= 0xFFFF else chr(code)
+
+    return "".join(one(a) if a == b else f"{one(a)}-{one(b)}" for a, b in ranges)
+
+
+_REFUSED = _refused_characters()
+# Not blank (one character that is not white space) and no control or format character.
+PLAIN_TEXT_PATTERN = f"^[^{_REFUSED}]*[^{_REFUSED}\\s][^{_REFUSED}]*$"
+
+
+def whole(value: float | None) -> int | None:
+    """A whole-number field's value as an int (the wire type is a float that is a multiple of
+    1, so that 5.0 is accepted like 5, as JSON Schema's `integer` says)."""
+    return None if value is None else int(value)
+
+
 class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
 class Harness(Strict):
-    tools: Annotated[list[ToolName], msgspec.Meta(max_length=256)]
+    # Checked (with the duplicates named) by Capabilities.duplicate_tools() in the routes.
+    tools: Annotated[
+        list[ToolName], msgspec.Meta(max_length=256, extra_json_schema={"uniqueItems": True})
+    ]
 
 
 class Capabilities(Strict):

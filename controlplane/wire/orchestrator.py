@@ -23,7 +23,14 @@ class EnqueueJob(Strict):
     project_id: UUID
     required_labels: Labels
     queued_at: AwareDatetime
-    payload: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
+    # Decoded as a JSON object by the route (web/orchestrator.py), which also checks its size.
+    payload: Annotated[
+        msgspec.Raw,
+        msgspec.Meta(
+            extra_json_schema={"type": "object"},
+            description="A JSON object of at most queue.max_payload_bytes bytes.",
+        ),
+    ] = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
 
 
 class EnqueueRequest(Strict):

@@ -9,7 +9,7 @@ from uuid import UUID
 import msgspec
 
 from controlplane.wire.admin import TtlSeconds
-from controlplane.wire.common import Name, Strict
+from controlplane.wire.common import Name, Strict, whole
 
 
 class ProvisionerIdentity(Strict):
@@ -22,6 +22,9 @@ class CreateProvisionerToken(Strict):
     name: Name
     workspace_id: UUID | None = None  # omitted: an installation-wide provisioner
     ttl_seconds: TtlSeconds | None = None
+
+    def __post_init__(self) -> None:
+        self.ttl_seconds = whole(self.ttl_seconds)
 
 
 class ProvisionerTokenOut(Strict):

@@ -47,5 +47,7 @@ class ProviderRunnerResponse(Strict):
     attached: bool  # false: the instance already had an identity, or is finished
 
 
-class HeartbeatResponse(Strict):
+class ControlHeartbeatResponse(Strict):
+    """Named apart from the runner's HeartbeatResponse: OpenAPI components share one namespace."""
+
     ok: bool

@@ -7,7 +7,7 @@ from uuid import UUID
 
 import msgspec
 
-from controlplane.wire.common import Capabilities, Labels, Strict
+from controlplane.wire.common import Capabilities, Labels, Strict, whole
 
 
 class RegisterRequest(Strict):
@@ -50,9 +50,17 @@ class HeartbeatResponse(Strict):
 
 class CompleteRequest(Strict):
     outcome: Literal["succeeded", "failed", "cancelled"]
-    exit_code: Annotated[int, msgspec.Meta(ge=-255, le=255)] | None = None
+    # A whole number; a float so that -1.0 is accepted like -1, as JSON Schema's `integer` says.
+    exit_code: Annotated[float, msgspec.Meta(ge=-255, le=255, multiple_of=1)] | None = None
     # The end of the job's output; the server keeps its last `output_tail_bytes` bytes.
     output_tail: Annotated[str, msgspec.Meta(max_length=1_048_576)] | None = None
+
+    def __post_init__(self) -> None:
+        self.exit_code = whole(self.exit_code)
+
+    @property
+    def exit_status(self) -> int | None:
+        return whole(self.exit_code)
 
 
 class CompleteResponse(Strict):

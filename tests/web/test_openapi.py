@@ -1,8 +1,10 @@
-"""The served OpenAPI document: equal to the committed docs/openapi.json, and complete."""
+"""The served OpenAPI document: equal to the committed docs/openapi.json, complete, and what the
+server enforces (tests/system/test_schemathesis.py fuzzes the rest against a daemon process)."""
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 from starlette.routing import Route, WebSocketRoute
 
 from controlplane.web import app as web_app
+from controlplane.web import openapi
 from tests.web.conftest import Api
 
 COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
@@ -24,8 +27,91 @@ async def _served(api: Api) -> dict[str, Any]:
     return document
 
 
-async def test_served_document_is_the_committed_one(api: Api) -> None:
-    assert await _served(api) == json.loads(COMMITTED.read_text()), REGENERATE
+async def test_committed_document_is_the_default_settings_one_and_served_with_own_limits(
+    api: Api,
+) -> None:
+    """docs/openapi.json is the document of the built-in defaults; a daemon serves its own
+    limits (this one's long_poll_max_seconds is 10, not the default 50)."""
+    assert api.daemon.services is not None
+    routes = web_app.build(api.daemon.services).routes
+    assert openapi.encode(openapi.document(routes)) == COMMITTED.read_bytes(), REGENERATE
+    served = await _served(api)
+    assert served == openapi.document(routes, api.daemon.services.settings)
+    assert served != openapi.document(routes)
+    job_wait = served["paths"]["/v1/runners/jobs/request"]["post"]["parameters"][0]
+    assert job_wait["schema"]["maximum"] == 10
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        found = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return found + [ref for value in node.values() for ref in _refs(value)]
+    if isinstance(node, list):
+        return [ref for value in node for ref in _refs(value)]
+    return []
+
+
+def test_every_reference_resolves_and_every_operation_id_is_unique() -> None:
+    document = json.loads(COMMITTED.read_text())
+    refs = _refs(document)
+    assert "#/components/schemas/HeartbeatResponse" in refs
+    for ref in refs:
+        assert ref.startswith("#/"), ref
+        node: Any = document
+        for part in ref[2:].split("/"):
+            assert isinstance(node, dict) and part in node, f"{ref} does not resolve"
+            node = node[part]
+    ids = [op["operationId"] for item in document["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids))
+
+
+async def test_options_on_every_path_allows_exactly_the_documented_methods(api: Api) -> None:
+    document = await _served(api)
+    for path, item in document["paths"].items():
+        url = path.replace("{job_execution_id}", str(uuid.uuid4())).replace(
+            "{id}", str(uuid.uuid4())
+        )
+        response = await api.http.options(url)
+        assert response.status_code == 405, path
+        allowed = {method.strip() for method in response.headers["allow"].split(",")}
+        assert allowed - {"HEAD"} == {method.upper() for method in item}, path
+
+
+async def test_limits_in_the_document_are_the_ones_the_server_applies(api: Api) -> None:
+    """Spot checks of rules that once lived only in handler code."""
+    schemas = (await _served(api))["components"]["schemas"]
+    admin = api.auth(api.admin_key)
+    # A whole number written as a float is an integer to JSON Schema, and to the server.
+    assert schemas["CreateApiKey"]["properties"]["ttl_seconds"]["anyOf"][0]["multipleOf"] == 1
+    created = await api.http.post(
+        "/v1/admin/api-keys",
+        json={"kind": "orchestrator", "name": "f", "ttl_seconds": 60.0},
+        headers=admin,
+    )
+    assert created.status_code == 201, created.text
+    # An admin key with a workspace is outside the schema, and refused.
+    assert schemas["CreateApiKey"]["anyOf"][1] == {"properties": {"workspace_id": {"type": "null"}}}
+    refused = await api.http.post(
+        "/v1/admin/api-keys",
+        json={"kind": "admin", "name": "a", "workspace_id": str(uuid.uuid4())},
+        headers=admin,
+    )
+    assert refused.status_code == 400
+    assert "installation-wide" in refused.json()["error"]["message"]
+    # A revoke reason: the published pattern is the server's rule, format characters included.
+    pattern = re.compile(schemas["Revoke"]["properties"]["reason"]["anyOf"][0]["pattern"])
+    for reason, ok in (("rotated", True), ("  ", False), ("a\u200bb", False), ("\x85", False)):
+        assert (pattern.search(reason) is not None) is ok, reason
+        answer = await api.http.post(
+            f"/v1/admin/api-keys/{created.json()['credential']['id']}/revoke",
+            json={"reason": reason},
+            headers=admin,
+        )
+        assert (answer.status_code == 200) is ok, (reason, answer.text)
+    # Duplicate tools and a payload that is not an object are outside the schema.
+    assert schemas["Harness"]["properties"]["tools"]["uniqueItems"] is True
+    assert schemas["EnqueueJob"]["properties"]["payload"]["type"] == "object"
+    assert schemas["EnqueueRequest"]["properties"]["jobs"]["maxItems"] == 500
 
 
 async def test_every_route_is_documented_with_its_methods(api: Api) -> None:
@@ -74,3 +160,15 @@ async def test_routes_with_a_token_refuse_a_missing_one_as_documented(api: Api) 
             )
             checked += 1
     assert checked == 32
+
+
+async def test_bearer_takes_exactly_one_space_as_documented(api: Api) -> None:
+    document = await _served(api)
+    assert "`Authorization: Bearer <token>`, exactly one space" in document["info"]["description"]
+    for header in (f"Bearer {api.admin_key}", f"bearer {api.admin_key}"):
+        response = await api.http.get("/v1/admin/queue", headers={"Authorization": header})
+        assert response.status_code == 200, header
+    for header in (f"Bearer  {api.admin_key}", f"Bearer   {api.admin_key}"):
+        response = await api.http.get("/v1/admin/queue", headers={"Authorization": header})
+        assert response.status_code == 401, header
+        assert response.json()["error"]["code"] == "unauthorized"
