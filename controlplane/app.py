@@ -96,11 +96,13 @@ async def database(settings: Settings) -> AsyncIterator[str]:
     if settings.database.url:
         yield settings.database.url
         return
-    server = EmbeddedPostgres(Path(settings.database.embedded_data_dir))
+    server = EmbeddedPostgres(
+        Path(settings.database.embedded_data_dir), port=settings.database.embedded_port
+    )
     url = await anyio.to_thread.run_sync(server.start)
     # The URL carries the password: it stays in this process, and only the masked one is logged.
     log.info(
-        "embedded_postgres.started",
+        "embedded_postgres.started" if server.owned else "embedded_postgres.attached",
         extra={
             "data_dir": str(server.data_dir),
             "url": server.masked_url,
@@ -110,10 +112,33 @@ async def database(settings: Settings) -> AsyncIterator[str]:
     try:
         yield url
     finally:
-        if server.owned:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(server.stop)
-            log.info("embedded_postgres.stopped")
+        with anyio.CancelScope(shield=True):
+            await _leave_embedded(server, url)
+
+
+async def _leave_embedded(server: EmbeddedPostgres, url: str) -> None:
+    """The last process out stops the embedded server, whichever started it: one that others
+    still use (replicas, a CLI command, `dev` started from the same folder) is left running for
+    them, and the last of them stops it. Our own pool is closed by now."""
+    try:
+        conn = await asyncpg.connect(url, timeout=5)
+        try:
+            others: int = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
+            )
+        finally:
+            await conn.close()
+    except (OSError, asyncpg.PostgresError, TimeoutError):
+        return  # already stopped by someone else, or unreachable: nothing to decide
+    if others:
+        log.info(
+            "embedded_postgres.left_running",
+            extra={"data_dir": str(server.data_dir), "other_connections": others},
+        )
+        return
+    await anyio.to_thread.run_sync(server.stop)
+    log.info("embedded_postgres.stopped", extra={"data_dir": str(server.data_dir)})
 
 
 async def migrate(url: str, settings: Settings) -> list[migrations.Migration]:

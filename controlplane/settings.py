@@ -26,6 +26,9 @@ Seconds = Annotated[float, msgspec.Meta(gt=0, le=86_400 * 365)]
 class Database(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     url: str = ""  # empty: start the embedded PostgreSQL in `embedded_data_dir`
     embedded_data_dir: str = "var/postgres"
+    # 0: the port of the embedded server's last start (kept in <embedded_data_dir>.port), else
+    # any free one. Set, it is used as it is.
+    embedded_port: Annotated[int, msgspec.Meta(ge=0, le=65_535)] = 0
     pool_min_size: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
     pool_max_size: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
     statement_timeout_ms: Annotated[int, msgspec.Meta(ge=100, le=600_000)] = 10_000

@@ -71,6 +71,17 @@ def _bin_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As PostgreSQL binds: a port whose last connections linger in TIME_WAIT is free to it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -227,6 +238,21 @@ class EmbeddedPostgres:
     def secret_file(self) -> Path:
         return self.data_dir.parent / f"{self.data_dir.name}.secret"
 
+    @property
+    def port_file(self) -> Path:
+        """The port of the last start, reused by the next so a URL copied from a log keeps
+        working across restarts (unless another program took the port meanwhile)."""
+        return self.data_dir.parent / f"{self.data_dir.name}.port"
+
+    def _pick_port(self) -> int:
+        if self.port:
+            return self.port  # configured: use it or fail
+        try:
+            remembered = int(self.port_file.read_text().strip())
+        except (OSError, ValueError):
+            return free_port()
+        return remembered if 0 < remembered < 65_536 and port_is_free(remembered) else free_port()
+
     def _run(self, args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         command = [str(_bin_dir() / args[0]), *args[1:]]
         if self._as_root and self._user is None:
@@ -297,8 +323,8 @@ class EmbeddedPostgres:
         self._secret = _read_secret(self.secret_file)
         self._secure(self._secret)
         self.owned = True
-        if self.port == 0:
-            self.port = free_port()
+        self.port = self._pick_port()
+        self.port_file.write_text(f"{self.port}\n")
         options = [
             "-h 127.0.0.1",
             f"-p {self.port}",
