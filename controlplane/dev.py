@@ -14,23 +14,82 @@ import os
 import signal
 import sys
 import uuid
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import anyio
 from anyio.abc import Process
 
 from controlplane import app
+from controlplane.domain import tokens
 from controlplane.settings import Settings
 from controlplane.store import credentials, provisioners
+from controlplane.store.credentials import Credential
 from controlplane.store.embedded import mask_password
 from controlplane.store.pool import connect
 
 DEV_WORKSPACE = uuid.UUID("00000000-0000-4000-8000-00000000d0d0")
 
 
-async def _credentials(config: Settings, url: str) -> dict[str, str]:
+_PREVIOUS = (
+    "CONTROLPLANE_ORCHESTRATOR_KEY",
+    "CONTROLPLANE_ADMIN_KEY",
+    "CONTROLPLANE_RUNNER_TOKEN",
+    "CONTROLPLANE_PROVISIONER_TOKEN",
+)
+
+
+def _usable(found: Credential | provisioners.Provisioner | None, now: datetime) -> bool:
+    return (
+        found is not None
+        and found.revoked_at is None
+        and (found.expires_at is None or found.expires_at > now)
+    )
+
+
+async def _previous(conn: Any, values: dict[str, str]) -> dict[str, Any]:
+    """The stored credentials behind a previous dev.env, by variable (None when unknown here)."""
+    digest = {name: tokens.digest(values.get(name, "")) for name in _PREVIOUS}
+    return {
+        "CONTROLPLANE_ORCHESTRATOR_KEY": await credentials.api_key_by_digest(
+            conn, "orchestrator", digest["CONTROLPLANE_ORCHESTRATOR_KEY"]
+        ),
+        "CONTROLPLANE_ADMIN_KEY": await credentials.api_key_by_digest(
+            conn, "admin", digest["CONTROLPLANE_ADMIN_KEY"]
+        ),
+        "CONTROLPLANE_RUNNER_TOKEN": await credentials.manual_token_by_digest(
+            conn, digest["CONTROLPLANE_RUNNER_TOKEN"]
+        ),
+        "CONTROLPLANE_PROVISIONER_TOKEN": await provisioners.by_digest(
+            conn, digest["CONTROLPLANE_PROVISIONER_TOKEN"]
+        ),
+    }
+
+
+async def _credentials(config: Settings, url: str, env_file: Path) -> dict[str, str]:
+    """The credentials of the last `dev` on this database when they all still work, else new
+    ones, with the last ones revoked: every start used to mint four keys that never expired."""
+    previous = _read_env(env_file)
     conn = await connect(app.pool_settings(config, url))
     try:
+        found = await _previous(conn, previous)
+        now = await conn.fetchval("SELECT now()")
+        if all(_usable(found[name], now) for name in _PREVIOUS):
+            return {
+                "CONTROLPLANE_WORKSPACE": str(DEV_WORKSPACE),
+                **{name: previous[name] for name in _PREVIOUS},
+            }
+        reason = "replaced by a new controlplane dev"
+        for name, stored in found.items():
+            if stored is None or stored.revoked_at is not None:
+                continue
+            if name == "CONTROLPLANE_PROVISIONER_TOKEN":
+                await provisioners.revoke(conn, stored.id, reason=reason)
+            elif name == "CONTROLPLANE_RUNNER_TOKEN":
+                await credentials.revoke_manual_token(conn, stored.id, reason=reason)
+            else:
+                await credentials.revoke_api_key(conn, stored.id, reason=reason)
         _, orchestrator = await credentials.create_api_key(conn, kind="orchestrator", name="dev")
         _, admin = await credentials.create_api_key(conn, kind="admin", name="dev")
         _, registration = await credentials.create_manual_token(
@@ -50,8 +109,24 @@ async def _credentials(config: Settings, url: str) -> dict[str, str]:
     }
 
 
+def _env_path(data_dir: Path) -> Path:
+    return data_dir.resolve().parent / "dev.env"
+
+
+def _read_env(path: Path) -> dict[str, str]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.removeprefix("export ").partition("=")
+        values[name.strip()] = value.strip()
+    return values
+
+
 def _write_env(data_dir: Path, values: dict[str, str]) -> Path:
-    path = data_dir.resolve().parent / "dev.env"
+    path = _env_path(data_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch(mode=0o600, exist_ok=True)
     path.chmod(0o600)  # it holds secrets
@@ -62,7 +137,8 @@ def _write_env(data_dir: Path, values: dict[str, str]) -> Path:
 async def _start(
     config: Settings, url: str, address: str, runners: int, labels: str
 ) -> list[Process]:
-    values = {"CONTROLPLANE_URL": address, **await _credentials(config, url)}
+    env_path = _env_path(Path(config.database.embedded_data_dir))
+    values = {"CONTROLPLANE_URL": address, **await _credentials(config, url, env_path)}
     env_file = await anyio.to_thread.run_sync(
         _write_env, Path(config.database.embedded_data_dir), values
     )

@@ -12,7 +12,13 @@ import sys
 from pathlib import Path
 
 import anyio
+import asyncpg
+import msgspec
 import pytest
+
+from controlplane import dev, settings
+from controlplane.domain import tokens
+from controlplane.store import credentials
 
 pytestmark = pytest.mark.system
 
@@ -119,3 +125,44 @@ async def test_dev_runs_a_job_enqueued_from_another_shell(
         if dev.poll() is None:
             dev.kill()
             dev.wait()
+
+
+async def test_dev_reuses_its_credentials_and_revokes_them_when_replaced(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Each start used to mint four never-expiring credentials and leave the old ones valid."""
+    config = msgspec.structs.replace(
+        settings.Settings(),
+        database=msgspec.structs.replace(settings.Settings().database, url=database_url),
+    )
+    env_file = tmp_path / "dev.env"
+    first = await dev._credentials(config, database_url, env_file)
+    env_file.write_text("".join(f"export {name}={value}\n" for name, value in first.items()))
+    again = await dev._credentials(config, database_url, env_file)
+    assert again == first  # all four still work: reused, nothing minted
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM api_keys") == 2
+        admin = await credentials.api_key_by_digest(
+            conn, "admin", tokens.digest(first["CONTROLPLANE_ADMIN_KEY"])
+        )
+        assert admin is not None
+        await credentials.revoke_api_key(conn, admin.id)
+        replaced = await dev._credentials(config, database_url, env_file)
+        assert set(replaced.values()).isdisjoint(
+            value for name, value in first.items() if name != "CONTROLPLANE_WORKSPACE"
+        )
+        # The old ones no longer work: each is revoked, none left valid beside the new ones.
+        assert await conn.fetchval("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL") == 2
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM manual_registration_tokens WHERE revoked_at IS NULL"
+            )
+            == 1
+        )
+        assert (
+            await conn.fetchval("SELECT count(*) FROM provisioner_tokens WHERE revoked_at IS NULL")
+            == 1
+        )
+    finally:
+        await conn.close()
