@@ -9,6 +9,7 @@ through /proc/<pid>/clear_refs), so a spike between two samples cannot hide.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -28,6 +29,7 @@ import anyio.abc
 import asyncpg
 import msgspec
 import pytest
+from websockets.asyncio.client import connect as ws_connect
 
 from controlplane.store import provisioners
 from tests.system.conftest import DaemonProcess, SpawnDaemon
@@ -190,6 +192,18 @@ async def test_unfinished_huge_headers_neither_grow_memory_nor_stall_healthz(
         assert error["code"] == "header-too-large"
         assert error["details"] == {"limit": 16384}
 
+        # A small head with a big body in the same write is not a big head.
+        with anyio.fail_after(10):
+            async with await anyio.connect_tcp(*where) as stream:
+                await stream.send(
+                    b"POST /v1/jobs HTTP/1.1\r\nhost: t\r\nconnection: close\r\n"
+                    b"content-type: application/json\r\ncontent-length: 262144\r\n\r\n"
+                    + b" "
+                    * 262144
+                )
+                answer = await _read_all(stream)
+        assert answer.startswith(b"HTTP/1.1 401 "), answer[:300]
+
 
 async def test_slowloris_connections_are_closed_and_healthz_answers_beyond_the_cap(
     spawn_daemon: SpawnDaemon,
@@ -302,3 +316,55 @@ async def test_websocket_frame_over_64_kib_is_refused_1009_before_it_is_buffered
         grown = _peak_kib(pid) - before
         assert codes == [1009] * 21
         assert grown < RSS_BOUND_KIB, f"peak RSS grew {grown} KiB over {before} KiB"
+
+
+async def _healthz_kept_alive(stream: anyio.abc.SocketStream) -> None:
+    await stream.send(b"GET /healthz HTTP/1.1\r\nhost: t\r\n\r\n")
+    answer = b""
+    while not answer.endswith(b'{"status":"ok"}'):
+        answer += await stream.receive()
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
+async def test_at_the_cap_the_longest_idle_connection_makes_room_else_503(
+    spawn_daemon: SpawnDaemon, database_url: str
+) -> None:
+    cap = 8
+    db = await asyncpg.connect(database_url)
+    try:
+        tokens = [
+            (await provisioners.create(db, name=f"p{index}", workspace_id=uuid.uuid4()))[1]
+            for index in range(cap)
+        ]
+    finally:
+        await db.close()
+    async with (
+        spawn_daemon(CONTROLPLANE_SERVER_MAX_CONNECTIONS=str(cap)) as replica,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        where = _where(replica)
+        url = replica.address.replace("http://", "ws://", 1) + "/v1/provisioners/session"
+
+        async def session(token: str) -> None:
+            # Open once the 101 is read: from then on the connection is working.
+            headers = {"Authorization": f"Bearer {token}"}
+            await stack.enter_async_context(ws_connect(url, additional_headers=headers))
+
+        with anyio.fail_after(20):
+            for token in tokens[:-1]:
+                await session(token)
+            idle = await stack.enter_async_context(await anyio.connect_tcp(*where))
+            await _healthz_kept_alive(idle)  # answered; now waiting for its next request
+            await session(tokens[-1])  # the cap is reached: the idle connection makes room
+            with pytest.raises(anyio.EndOfStream):
+                await idle.receive()
+
+            # Every open connection is working: a new one is refused, cheaply and in our envelope.
+            async with await anyio.connect_tcp(*where) as refused:
+                answer = await _read_all(refused)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 "), answer[:300]
+        assert b"retry-after: 1" in head.lower()
+        error = msgspec.json.decode(body)["error"]
+        assert error["code"] == "too-many-connections"
+        assert error["details"] == {"limit": cap}
