@@ -1,5 +1,6 @@
 """`python -m bench [name ...]`: run the named benchmarks (default: all but the explicit ones),
-then the report. The soak (minutes of kills) and the standalone peers run only when named."""
+then the report. The soak (minutes of kills), the standalone peers and the before/after of the
+connection limits (`limits`, against an older tree) run only when named."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from bench import cli_startup, demand, dispatch, peers, report, scale, soak, throughput
+from bench import cli_startup, demand, dispatch, limits, peers, report, scale, soak, throughput
 
 Bench = Callable[[], Awaitable[object]]
 
@@ -19,7 +20,7 @@ BENCHES: dict[str, Bench] = {
     "scale": scale.run,
     "cli_startup": cli_startup.run,
 }
-EXPLICIT: dict[str, Bench] = {"soak": soak.run, "peers": peers.run}
+EXPLICIT: dict[str, Bench] = {"soak": soak.run, "peers": peers.run, "limits": limits.run}
 
 
 def main(argv: list[str]) -> int:

@@ -301,6 +301,30 @@ def _cli_startup(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _limits(result: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Connection limits: throughput before and after (same run)",
+        "",
+        f"Machine: {_machine(result)}. bench/throughput.py's HTTP lifecycle, "
+        f"{result['jobs_per_run']} jobs per run, through one replica of the tree before the limits "
+        f"({result['baseline']}) and one of this tree, both on one database, the order "
+        f"alternating round by round; medians of {result['rounds']} rounds (all rounds in "
+        "brackets). Target: after / before at least 0.95.",
+        "",
+        "| runners | before jobs/s | after jobs/s | after / before | median of round ratios "
+        "| replica CPU us/job before | after |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for count, row in result["runs"].items():
+        lines.append(
+            f"| {count} | {row['before_jobs_per_s']} ({', '.join(map(str, row['before_rounds']))}) "
+            f"| {row['after_jobs_per_s']} ({', '.join(map(str, row['after_rounds']))}) "
+            f"| {row['after_to_before']} | {row.get('paired_after_to_before', '')} "
+            f"| {row.get('before_cpu_us_per_job', '')} | {row.get('after_cpu_us_per_job', '')} |"
+        )
+    return [*lines, ""]
+
+
 RENDERERS = {
     "dispatch": _dispatch,
     "demand": _demand,
@@ -309,6 +333,7 @@ RENDERERS = {
     "scale": _scale,
     "soak": _soak,
     "cli_startup": _cli_startup,
+    "limits": _limits,
 }
 
 

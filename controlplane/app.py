@@ -2,7 +2,8 @@
 
 Start-up: the embedded PostgreSQL when no URL is configured, then migrations (serialised across
 replicas by an advisory lock), the pool, the signing keys, then the root task group: the
-LISTEN connection, the dispatcher (which supervises workspace actors), maintenance, and uvicorn.
+LISTEN connection, the dispatcher (which supervises workspace actors), maintenance, and uvicorn
+(assembled with its connection limits in web/server.py).
 
 Shutdown on SIGTERM or SIGINT: new job requests are refused and every parked one is answered with
 204 and Retry-After; held heartbeats and event polls are released; uvicorn then stops accepting
@@ -16,15 +17,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
 from uuid import UUID
 
 import anyio
 import asyncpg
-import uvicorn
 
 from controlplane import metrics
 from controlplane.actors.cancels import CancelBoard
@@ -44,6 +43,7 @@ from controlplane.store.leases import CANCEL_CHANNEL
 from controlplane.store.pool import PoolSettings, borrow, connect, create_pool
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
 from controlplane.web import app as web_app
+from controlplane.web import server as http_server
 from controlplane.web.services import DatabaseProbe, KeyRing, Services
 
 log = logging.getLogger("controlplane.app")
@@ -173,26 +173,6 @@ def _on_cancel(cancels: CancelBoard, demand: DemandBoard) -> Callable[[str], Non
     return wake
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the daemon decides how to shut down."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto must say TCP: asyncio sets TCP_NODELAY on accepted connections only when it does,
-    # and without it a response written as headers + body waits out the client's delayed ACK.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
 async def serve(settings: Settings, *, on_ready: Callable[[str], None] | None = None) -> None:
     """Run the daemon until SIGTERM or SIGINT."""
     async with database(settings) as url:
@@ -313,18 +293,8 @@ class Daemon:
                 ),
             ),
         )
-        server = _Server(
-            uvicorn.Config(
-                web_app.build(services),
-                log_config=None,
-                access_log=False,
-                lifespan="off",
-                proxy_headers=False,  # nothing here reads the client address
-                timeout_graceful_shutdown=int(settings.server.shutdown_grace_seconds),
-                timeout_keep_alive=settings.server.keep_alive_seconds,
-            )
-        )
-        sock = _bind(settings.server.host, settings.server.port)
+        server = http_server.build(web_app.build(services), settings)
+        sock = http_server.bind(settings.server.host, settings.server.port)
         host, port = sock.getsockname()[:2]
         self.address = f"http://{host}:{port}"
 
