@@ -10,14 +10,12 @@ from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
-import httpx
 import msgspec
 
 from controlplane.agent import api
-from controlplane.agent.queue_client import call, decode, table, when
+from controlplane.agent.queue_client import call, decode, provisioner_pages, table, when
 from controlplane.wire.admin import ActiveRunners
 from controlplane.wire.jobs import JobCancelled, JobDetail, JobList, JobOut
-from controlplane.wire.provisioners import ProvisionerTokenList
 
 _encoder = msgspec.json.Encoder()
 
@@ -182,26 +180,9 @@ async def runners_list(
     return 0
 
 
-async def _provisioner_pages(
-    http: httpx.AsyncClient, key: str, active: bool
-) -> ProvisionerTokenList:
-    found = ProvisionerTokenList(items=[], next_cursor=None)
-    params: dict[str, str] = {"limit": "100", **({"active": "true"} if active else {})}
-    while True:
-        page = decode(
-            await call(http, "GET", "/v1/admin/provisioner-tokens", headers=api.bearer(key),
-                       params=params),
-            ProvisionerTokenList,
-        )  # fmt: skip
-        found.items += page.items
-        if page.next_cursor is None:
-            return found
-        params["cursor"] = page.next_cursor
-
-
 async def provisioners_list(url: str, key: str, *, everything: bool, as_json: bool) -> int:
     async with api.client(url) as http:
-        found = await _provisioner_pages(http, key, active=not everything)
+        found = await provisioner_pages(http, api.bearer(key), active=not everything)
     if as_json:
         _json(found.items)
         return 0

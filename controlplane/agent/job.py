@@ -76,6 +76,11 @@ def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _write_out(chunk: bytes) -> None:
+    sys.stdout.buffer.write(chunk)
+    sys.stdout.buffer.flush()
+
+
 def _signal_group(pgid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # every member has exited already
         os.killpg(pgid, signum)
@@ -139,13 +144,13 @@ class JobRun:
             await self._complete("succeeded" if code == 0 else "failed", code)
 
     async def _pump(self, process: Process, drained: anyio.Event) -> None:
-        """The script's output to our stdout as it comes, and into the tail."""
+        """The script's output to our stdout as it comes, and into the tail. Written from a
+        worker thread: a stdout that blocks (a slow pipe) then holds the script back, as it would
+        if the script wrote there itself, but never this event loop and its heartbeats."""
         assert process.stdout is not None
-        out = sys.stdout.buffer
         try:
             async for chunk in process.stdout:
-                out.write(chunk)
-                out.flush()
+                await anyio.to_thread.run_sync(_write_out, chunk)
                 self.output.feed(chunk)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass

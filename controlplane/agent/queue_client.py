@@ -266,12 +266,12 @@ def fleet_tables(
     return tables
 
 
-async def _active_provisioners(
-    http: httpx.AsyncClient, headers: dict[str, str]
+async def provisioner_pages(
+    http: httpx.AsyncClient, headers: dict[str, str], *, active: bool = True
 ) -> ProvisionerTokenList:
-    """Every page of the active provisioners, as one list."""
+    """Every page of the provisioners (only the active ones, by default), as one list."""
     found = ProvisionerTokenList(items=[], next_cursor=None)
-    params: dict[str, str] = {"active": "true", "limit": "100"}
+    params: dict[str, str] = {"limit": "100", **({"active": "true"} if active else {})}
     while True:
         page = decode(
             await call(http, "GET", "/v1/admin/provisioner-tokens", headers=headers, params=params),
@@ -304,7 +304,7 @@ async def status(url: str, key: str) -> int:
         pending = decode(
             await call(http, "GET", "/v1/admin/queue/pending", headers=headers), PendingGroupList
         )
-        provisioners = await _active_provisioners(http, headers)
+        provisioners = await provisioner_pages(http, headers)
         reservations = decode(
             await call(http, "GET", "/v1/admin/reservations", headers=headers), ReservationList
         )
