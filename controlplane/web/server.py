@@ -250,6 +250,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._start_head_deadline()
 
     def _awaiting_head(self) -> bool:
+        if self._upgraded:
+            # A WebSocket now: the bytes that follow are frames, and the head deadline is over.
+            return False
         if self._reading == _HEAD:
             return True
         # Between requests with no response pending, uvicorn's keep-alive timer normally runs;

@@ -368,3 +368,32 @@ async def test_at_the_cap_the_longest_idle_connection_makes_room_else_503(
         error = msgspec.json.decode(body)["error"]
         assert error["code"] == "too-many-connections"
         assert error["details"] == {"limit": cap}
+
+
+async def test_a_control_session_outlives_the_header_deadline(
+    spawn_daemon: SpawnDaemon, database_url: str
+) -> None:
+    """The head deadline is for a request head; once a connection is a WebSocket it no longer
+    applies (it once re-armed after the upgrade and closed every control session 10 s in)."""
+    db = await asyncpg.connect(database_url)
+    try:
+        _, token = await provisioners.create(db, name="fleet", workspace_id=uuid.uuid4())
+    finally:
+        await db.close()
+    deadline = 0.5
+    async with spawn_daemon(
+        CONTROLPLANE_SERVER_HEADER_READ_TIMEOUT_SECONDS=str(deadline)
+    ) as replica:
+        url = replica.address.replace("http://", "ws://", 1) + "/v1/provisioners/session"
+        async with ws_connect(url, additional_headers={"Authorization": f"Bearer {token}"}) as ws:
+            await ws.send(json.dumps({"type": "hello", "protocol_version": 1, "request_id": "h"}))
+            with anyio.fail_after(10):
+                assert json.loads(await ws.recv())["type"] == "welcome"
+            # Several deadlines pass with nothing sent either way; the session must still be
+            # there. (Waiting out a span is the point here: nothing else marks it.)
+            with anyio.move_on_after(6 * deadline):
+                frame = await ws.recv()
+                raise AssertionError(f"unexpected frame {frame!r}")
+            await ws.send(json.dumps({"type": "ping", "request_id": "p"}))
+            with anyio.fail_after(10):
+                assert json.loads(await ws.recv()) == {"type": "pong", "request_id": "p"}
