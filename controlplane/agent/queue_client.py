@@ -90,27 +90,34 @@ async def enqueue(
         execution: UUID | None = None
         interrupted = False
         state: ExecutionState | None = None
-        async with anyio.create_task_group() as group:
+        try:
+            async with anyio.create_task_group() as group:
 
-            async def on_interrupt(*, task_status: TaskStatus[None]) -> None:
-                nonlocal interrupted
-                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    task_status.started()
-                    async for _ in signals:
-                        interrupted = True
-                        group.cancel_scope.cancel()
-                        return
+                async def on_interrupt(*, task_status: TaskStatus[None]) -> None:
+                    nonlocal interrupted
+                    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                        task_status.started()
+                        async for _ in signals:
+                            interrupted = True
+                            group.cancel_scope.cancel()
+                            return
 
-            async def follow() -> None:
-                nonlocal execution, state
-                execution = await _enqueue_one(http, headers, body)
-                _say(str(execution))
-                state = await _until_ended(http, headers, execution, give_up_after)
-                group.cancel_scope.cancel()
+                async def follow() -> None:
+                    nonlocal execution, state
+                    execution = await _enqueue_one(http, headers, body)
+                    _say(str(execution))
+                    state = await _until_ended(http, headers, execution, give_up_after)
+                    group.cancel_scope.cancel()
 
-            # Ctrl-C is ours from before the job exists, so it never meets a default handler.
-            await group.start(on_interrupt)
-            group.start_soon(follow)
+                # Ctrl-C is ours from before the job exists, so it never meets a default handler.
+                await group.start(on_interrupt)
+                group.start_soon(follow)
+        except BaseExceptionGroup as failed:
+            # One task's failure (a refused key, an unreachable daemon) is raised as itself, so
+            # the command prints its one line instead of an exception group.
+            if len(failed.exceptions) == 1:
+                raise failed.exceptions[0] from None
+            raise
         if interrupted:
             if execution is None:
                 _warn("interrupted before the job was enqueued")

@@ -73,18 +73,20 @@ async def test_enqueue_refuses_without_a_key_or_a_command() -> None:
     assert "command" in no_command.stderr
 
 
+@pytest.mark.parametrize("wait", [[], ["--wait"]])
 async def test_enqueue_reports_a_refused_key_without_echoing_it(
-    spawn_daemon: SpawnDaemon, database_url: str
+    spawn_daemon: SpawnDaemon, database_url: str, wait: list[str]
 ) -> None:
     async with spawn_daemon() as daemon:
         refused = await agents.run_client(
             "enqueue", "--url", daemon.address, "--workspace", str(uuid.uuid4()),
-            "--labels", "linux", "--", "true",
+            "--labels", "linux", *wait, "--", "true",
             CONTROLPLANE_ORCHESTRATOR_KEY="cp_oak_not-a-real-key",
         )  # fmt: skip
     assert refused.returncode == 2
     assert "401 unauthorized" in refused.stderr
     assert "not-a-real-key" not in refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
 
 
 async def test_status_prints_the_queue_per_workspace(
