@@ -138,14 +138,19 @@ def counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, in
     return {key: after[key] - before[key] for key in before}
 
 
-async def fresh_database(server_url: str) -> str:
+async def empty_database(server_url: str) -> str:
+    """A new database with no migrations: for a replica of another tree to migrate itself."""
     name = f"cp_bench_{uuid.uuid4().hex[:10]}"
     admin = await asyncpg.connect(server_url)
     try:
         await admin.execute(f'CREATE DATABASE "{name}"')
     finally:
         await admin.close()
-    url = server_url.rsplit("/", 1)[0] + f"/{name}"
+    return server_url.rsplit("/", 1)[0] + f"/{name}"
+
+
+async def fresh_database(server_url: str) -> str:
+    url = await empty_database(server_url)
     conn = await asyncpg.connect(url)
     try:
         await migrations.migrate(conn)

@@ -1,6 +1,7 @@
 """Connection limits (issue 11): the HTTP lifecycle before and after them, in the same run.
 
-Two replicas on one database: one runs this tree, the other the tree before the limits
+Two replicas on one PostgreSQL, each on a database of its own (the baseline's migrations are
+older than this tree's): one runs this tree, the other the tree before the limits
 (`git archive` of BENCH_BASELINE_REF, default 78daf06, unpacked into a temporary folder; or the
 checkout named by BENCH_BASELINE_TREE). Each round runs bench/throughput.py's HTTP lifecycle
 through one replica and then the other, the order alternating from round to round, so a slow
@@ -78,10 +79,14 @@ async def run(
             "BENCH_BASELINE_REF", BASELINE_REF
         )
         url = await harness.fresh_database(server)
+        # The baseline gets a database of its own, which it migrates itself at start: this
+        # tree's migrations (0010 replaced cp_complete) are newer than its code.
+        url_before = await harness.empty_database(server)
         # PYTHONSAFEPATH: `python -m` would otherwise put this working directory (this tree)
         # ahead of PYTHONPATH.
-        before = await harness.start_replica(url, PYTHONPATH=str(tree), PYTHONSAFEPATH="1")
+        before = await harness.start_replica(url_before, PYTHONPATH=str(tree), PYTHONSAFEPATH="1")
         after = await harness.start_replica(url)
+        urls = {"before": url_before, "after": url}
         try:
             assert head_status(before.address, 20 * 1024) == 200, "baseline has a head limit"
             assert head_status(after.address, 20 * 1024) == 431, "this tree has no head limit"
@@ -94,7 +99,9 @@ async def run(
                     order = [("before", before), ("after", after)]
                     for name, replica in order if index % 2 == 0 else order[::-1]:
                         spent = cpu_seconds(replica.process.pid)
-                        rate = await throughput.http_lifecycle(url, [replica.address], count, jobs)
+                        rate = await throughput.http_lifecycle(
+                            urls[name], [replica.address], count, jobs
+                        )
                         spent = cpu_seconds(replica.process.pid) - spent
                         rates[name].append(rate)
                         cpu[name].append(spent / jobs * 1e6)
