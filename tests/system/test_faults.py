@@ -341,7 +341,7 @@ async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_sess
 
             async def kill_a_when_a_claim_is_held() -> None:
                 nonlocal held
-                with anyio.fail_after(10):
+                with anyio.fail_after(60):
                     await _poll(claim_held, interval=0.01)
                 at_kill.append(
                     (fleet.live_on, len(fleet.welcomes), _by_reservation(fleet.grants[0]))
@@ -412,9 +412,12 @@ async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_sess
                     } <= set((await a.get("/metrics")).text.splitlines()):
                         await anyio.sleep(0.02)
                 with anyio.fail_after(90):
-                    for start in range(0, total, batch):
-                        await _poll(lambda: pending_at_most(batch))
-                        async with anyio.create_task_group() as killing:
+                    # From `kill_from` on A's commits are held, and batches keep coming until one
+                    # of A's claims is caught: B's runners may take a whole batch, so waiting on
+                    # one batch alone could wait for a claim of A that never comes.
+                    async with anyio.create_task_group() as killing:
+                        for start in range(0, total, batch):
+                            await _poll(lambda: pending_at_most(batch))
                             if start == kill_from:
                                 await _hold_commits(db, True)
                                 held = True
