@@ -24,11 +24,33 @@ Reason = Annotated[str, msgspec.Meta(min_length=1, max_length=512, pattern=r"^[^
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$")]
 
 
+# The control (Cc) and format (Cf) characters, as ranges, of the Unicode version Python 3.11
+# ships. Scanning the code space for them costs about 110 ms at import, which every CLI command
+# paid; another Python's Unicode is scanned (tests/test_wire_text.py checks this table).
+KNOWN_CONTROLS = {
+    "14.0.0": (
+        (0x0, 0x1F), (0x7F, 0x9F), (0xAD, 0xAD), (0x600, 0x605), (0x61C, 0x61C), (0x6DD, 0x6DD),
+        (0x70F, 0x70F), (0x890, 0x891), (0x8E2, 0x8E2), (0x180E, 0x180E), (0x200B, 0x200F),
+        (0x202A, 0x202E), (0x2060, 0x2064), (0x2066, 0x206F), (0xFEFF, 0xFEFF),
+        (0xFFF9, 0xFFFB), (0x110BD, 0x110BD), (0x110CD, 0x110CD), (0x13430, 0x13438),
+        (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0001, 0xE0001), (0xE0020, 0xE007F),
+    ),
+}  # fmt: skip
+
+
+def refused_codes() -> list[int]:
+    """Every control and format character of this Python's Unicode, by scanning."""
+    return [c for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) in ("Cc", "Cf")]
+
+
 def _refused_characters() -> str:
     """A regex character class body of every control (Cc) and format (Cf) character, as ranges
     (BMP ones escaped, the few astral ones literal: valid in Python and in ECMA-262 with the
     `u` flag that JSON Schema implies)."""
-    found = [c for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) in ("Cc", "Cf")]
+    known = KNOWN_CONTROLS.get(unicodedata.unidata_version)
+    found = (
+        [code for low, high in known for code in range(low, high + 1)] if known else refused_codes()
+    )
     ranges: list[list[int]] = []
     for code in found:
         if ranges and ranges[-1][1] == code - 1:
