@@ -257,6 +257,7 @@ async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_sess
     password = uuid.uuid4().hex  # the embedded server refuses TCP logins without one
     db = await asyncpg.connect(database_url)
     watch_db = await asyncpg.connect(database_url)
+    kill_db = await asyncpg.connect(database_url)
     held = False
     try:
         found, token = await provisioners.create(db, name="fleet", workspace_id=fleet_workspace)
@@ -334,7 +335,8 @@ async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_sess
                 )
 
             async def claim_held() -> bool:
-                return bool(await db.fetchval(_HELD_CLAIMS, role) > 0)
+                # Its own connection: the batch loop polls `db` at the same time.
+                return bool(await kill_db.fetchval(_HELD_CLAIMS, role) > 0)
 
             # What the provisioner client saw when A was killed.
             at_kill: list[tuple[str | None, int, dict[str, int]]] = []
@@ -348,7 +350,7 @@ async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_sess
                 )
                 replica_a.process.kill()
                 await anyio.to_thread.run_sync(replica_a.process.wait)
-                await _hold_commits(db, False)
+                await _hold_commits(kill_db, False)
                 held = False
 
             async def drained(of: uuid.UUID, count: int) -> bool:
@@ -495,6 +497,7 @@ async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_sess
         if held:
             await _hold_commits(db, False)
         await watch_db.close()
+        await kill_db.close()
         await db.close()
         admin = await asyncpg.connect(database_url)
         try:
