@@ -278,9 +278,11 @@ async def run(sizes: Sizes | None = None) -> dict[str, Any]:
             for index in range(sizes.rounds):
                 for measured in measurements:
                     for side in harness.alternated(index, (before, after)):
+                        began = time.monotonic()
                         value, cpu_s = await side.measure(measured)
                         said = record(tracks, measured, side.name, value, cpu_s)
-                        print(f"round {index + 1}/{sizes.rounds}, {said}")
+                        took = time.monotonic() - began
+                        print(f"round {index + 1}/{sizes.rounds}, {said} ({took:.1f} s)")
                 print(f"round {index + 1} done, {time.monotonic() - started:.0f} s in")
     results: dict[str, Any] = {
         "baseline": name,
