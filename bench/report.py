@@ -325,6 +325,40 @@ def _limits(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _compare(result: dict[str, Any]) -> list[str]:
+    sizes = result["sizes"]
+    lines = [
+        "## Refactor: before and after (same run)",
+        "",
+        f"Machine: {_machine(result)}. Issue 13's acceptance: the main figures of "
+        "bench/throughput.py, bench/dispatch.py and bench/demand.py through the tree before the "
+        f"refactor ({result['baseline']}) and this tree, each side with its own two replicas, "
+        "database and measuring process, all in its own tree's code (bench/compare.py); the "
+        f"order alternating round by round, medians of {sizes['rounds']} rounds; "
+        f"{sizes['jobs']} jobs per lifecycle run, {sizes['samples']} samples per latency run; "
+        f"{result['elapsed_s']} s in all. Change is the median of the rounds' own after / before "
+        "ratios, signed so that negative is worse. Target: no figure worse by more than 5%.",
+        "",
+        "| benchmark | figure | unit | before | after | after / before | median of round "
+        "ratios | change |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["figures"]:
+        verdict = " (worse by more than 5%)" if row["worse_by_more_than_5_percent"] else ""
+        lines.append(
+            f"| {row['benchmark']} | {row['figure']} | {row['unit']} | {row['before']} | "
+            f"{row['after']} | {row['after_to_before']} | {row['paired_after_to_before']} | "
+            f"{row['change']:+.1%}{verdict} |"
+        )
+    worse = [
+        f"{row['benchmark']} {row['figure']} ({row['unit']})"
+        for row in result["figures"]
+        if row["worse_by_more_than_5_percent"]
+    ]
+    lines += ["", f"Worse by more than 5%: {'; '.join(worse) if worse else 'none'}."]
+    return [*lines, ""]
+
+
 RENDERERS = {
     "dispatch": _dispatch,
     "demand": _demand,
@@ -334,6 +368,7 @@ RENDERERS = {
     "soak": _soak,
     "cli_startup": _cli_startup,
     "limits": _limits,
+    "compare": _compare,
 }
 
 
