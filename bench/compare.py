@@ -55,7 +55,7 @@ REPLICAS = 2  # dispatch and demand split their clients over two; throughput use
 SIDE_SCRIPT = Path(__file__).with_name("compare_side.py")
 # The longest one measurement may take: 3,000 jobs at 10 jobs/s on a machine busy with other work.
 ANSWER_DEADLINE = 600
-LIMIT = 0.05
+TOLERANCE = 0.05  # issue 13: no figure worse by more than 5%
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class Track:
             "better": "higher" if self.higher_is_better else "lower",
             **found,
             "change": round(change, 3),
-            "worse_by_more_than_5_percent": change < -LIMIT,
+            "worse_by_more_than_5_percent": change < -TOLERANCE,
         }
 
 
