@@ -1,6 +1,7 @@
 """`python -m bench [name ...]`: run the named benchmarks (default: all but the explicit ones),
-then the report. The soak (minutes of kills), the standalone peers and the before/after of the
-connection limits (`limits`, against an older tree) run only when named."""
+then the report. The soak (minutes of kills), the standalone peers and the before/after runs
+against an older tree (`limits`: the connection limits; `compare`: issue 13's refactor, every
+figure of throughput, dispatch and demand) run only when named."""
 
 from __future__ import annotations
 
@@ -9,7 +10,18 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from bench import cli_startup, demand, dispatch, limits, peers, report, scale, soak, throughput
+from bench import (
+    cli_startup,
+    compare,
+    demand,
+    dispatch,
+    limits,
+    peers,
+    report,
+    scale,
+    soak,
+    throughput,
+)
 
 Bench = Callable[[], Awaitable[object]]
 
@@ -20,7 +32,12 @@ BENCHES: dict[str, Bench] = {
     "scale": scale.run,
     "cli_startup": cli_startup.run,
 }
-EXPLICIT: dict[str, Bench] = {"soak": soak.run, "peers": peers.run, "limits": limits.run}
+EXPLICIT: dict[str, Bench] = {
+    "soak": soak.run,
+    "peers": peers.run,
+    "limits": limits.run,
+    "compare": compare.run,
+}
 
 
 def main(argv: list[str]) -> int:

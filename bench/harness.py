@@ -1,4 +1,6 @@
-"""What every benchmark shares: a PostgreSQL, daemon processes, machine facts, result files."""
+"""What every benchmark shares: a PostgreSQL, daemon processes, machine facts, result files, and
+for a same-run before/after comparison (bench/limits.py, bench/compare.py) the baseline tree,
+processes that run a given tree's code, and the pairing of rounds."""
 
 from __future__ import annotations
 
@@ -11,14 +13,15 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import asyncpg
@@ -31,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # BENCH_RESULTS sends result files (and the report rendered from them) elsewhere, e.g. /tmp for
 # a smoke run, so the recorded figures in bench/results/ are not overwritten by smoke numbers.
 RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "results")
+
+T = TypeVar("T")
 
 
 def pg_bin_dir() -> Path:
@@ -179,6 +184,16 @@ def new_job(workspace: uuid.UUID) -> NewJob:
 class Replica:
     process: subprocess.Popen[bytes]
     address: str
+    code: str  # the file of the `controlplane` package the replica imported
+
+
+# What `python -m controlplane.cli` does, after printing which `controlplane` it imported: the
+# replica's own word on the code it runs, which a before/after comparison checks.
+_LAUNCH = (
+    "import runpy, controlplane; "
+    "print('controlplane code', controlplane.__file__, flush=True); "
+    "runpy.run_module('controlplane.cli', run_name='__main__', alter_sys=True)"
+)
 
 
 def raise_fd_limit() -> int:
@@ -199,7 +214,7 @@ async def start_replica(database_url: str, **env: str) -> Replica:
         **env,
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli", "--log-level", "warning", "serve"],
+        [sys.executable, "-c", _LAUNCH, "--log-level", "warning", "serve"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=environment,
@@ -207,14 +222,19 @@ async def start_replica(database_url: str, **env: str) -> Replica:
     assert process.stdout is not None
     try:
         with anyio.fail_after(60):
+            code = (await anyio.to_thread.run_sync(process.stdout.readline)).decode()
             line = (await anyio.to_thread.run_sync(process.stdout.readline)).decode()
     except BaseException:
         process.kill()
         raise
-    if not line.startswith("controlplane listening on "):
+    if not code.startswith("controlplane code ") or not line.startswith(
+        "controlplane listening on "
+    ):
         process.kill()
-        raise RuntimeError(f"replica did not start: {line!r}")
-    return Replica(process, line.strip().rsplit(" ", 1)[1])
+        raise RuntimeError(f"replica did not start: {code!r} {line!r}")
+    return Replica(
+        process, line.strip().rsplit(" ", 1)[1], code.removeprefix("controlplane code ").strip()
+    )
 
 
 def stop_replicas(started: Sequence[Replica]) -> None:
@@ -239,3 +259,81 @@ async def replicas(database_url: str, count: int, **env: str) -> AsyncIterator[l
         yield started
     finally:
         stop_replicas(started)
+
+
+@contextlib.contextmanager
+def baseline_tree(default_ref: str) -> Iterator[tuple[Path, str]]:
+    """The tree to compare this one with, and its name for the results: the checkout named by
+    BENCH_BASELINE_TREE, else `git archive` of BENCH_BASELINE_REF (default `default_ref`)
+    unpacked into a temporary folder, removed afterwards."""
+    configured = os.environ.get("BENCH_BASELINE_TREE")
+    if configured:
+        yield Path(configured), configured
+        return
+    ref = os.environ.get("BENCH_BASELINE_REF", default_ref)
+    with tempfile.TemporaryDirectory(prefix="cp-bench-baseline-") as folder:
+        archive = Path(folder) / "tree.tar"
+        subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), ref], check=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(Path(folder) / "tree", filter="data")
+        yield Path(folder) / "tree", ref
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment under which a Python process imports `bench` and `controlplane` from
+    `tree`: its folder first on the path, and not the working directory, which `python -m` and
+    `-c` would otherwise put ahead of PYTHONPATH (PYTHONSAFEPATH). The editable install of this
+    checkout comes after both."""
+    return {"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
+
+
+def within(path: str, tree: Path) -> bool:
+    return Path(path).resolve().is_relative_to(tree.resolve())
+
+
+async def start_tree_replica(database_url: str, tree: Path) -> Replica:
+    """A replica running `tree`'s code, checked by the file it says it imported. Its database may
+    be empty: the daemon migrates it at start with its own migrations."""
+    replica = await start_replica(database_url, **tree_env(tree))
+    if not within(replica.code, tree):
+        stop_replicas([replica])
+        raise RuntimeError(f"a replica of {tree} runs {replica.code}")
+    return replica
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def alternated(index: int, pair: Sequence[T]) -> list[T]:
+    """The two sides in round `index`'s order: as given in even rounds, swapped in odd ones, so
+    that a slow spell of the machine, or a cache warmed by the first run, falls on both."""
+    return list(pair) if index % 2 == 0 else list(pair)[::-1]
+
+
+@dataclass
+class BeforeAfter:
+    """One figure, measured once per round on each side."""
+
+    before: list[float] = field(default_factory=list)
+    after: list[float] = field(default_factory=list)
+
+    def add(self, side: str, value: float) -> None:
+        (self.before if side == "before" else self.after).append(value)
+
+    def summary(self, digits: int = 1) -> dict[str, Any]:
+        """Medians of the rounds, their ratio, and the median of each round's own ratio: a
+        round's two runs are seconds apart, so their ratio cancels most of the drift of a
+        machine shared with other work."""
+        before, after = statistics.median(self.before), statistics.median(self.after)
+        paired = [a / b for a, b in zip(self.after, self.before, strict=True)]
+        return {
+            "before": round(before, digits),
+            "after": round(after, digits),
+            "after_to_before": round(after / before, 3),
+            "paired_after_to_before": round(statistics.median(paired), 3),
+            "before_rounds": [round(value, digits) for value in self.before],
+            "after_rounds": [round(value, digits) for value in self.after],
+        }

@@ -27,16 +27,22 @@ def _machine(result: dict[str, Any]) -> str:
     )
 
 
-def _dispatch(result: dict[str, Any]) -> list[str]:
+def _section(title: str, result: dict[str, Any], intro: str, header: str, rule: str) -> list[str]:
+    """A section's title, the machine and what was measured, and the head of its table."""
+    return [f"## {title}", "", f"Machine: {_machine(result)}. {intro}", "", header, rule]
+
+
+def _latency(title: str, result: dict[str, Any], intro: str, sized_by: str) -> list[str]:
+    """dispatch's and demand's table: each size beside the INSERT + NOTIFY -> LISTEN floor."""
     base = result["baseline_insert_notify_listen"]
     lines = [
-        "## Dispatch latency (enqueue to runner-has-job)",
-        "",
-        f"Machine: {_machine(result)}. Two replicas, runners split across them, "
-        f"{result['samples_per_size']} jobs enqueued one at a time per size.",
-        "",
-        "| parked runners | p50 ms | p99 ms | max ms | p50 / baseline | p99 / baseline |",
-        "|---:|---:|---:|---:|---:|---:|",
+        *_section(
+            title,
+            result,
+            intro,
+            f"| {sized_by} | p50 ms | p99 ms | max ms | p50 / baseline | p99 / baseline |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ),
         f"| baseline: INSERT+NOTIFY -> LISTEN | {base['p50_ms']} | {base['p99_ms']} | "
         f"{base['max_ms']} | 1.0 | 1.0 |",
     ]
@@ -45,6 +51,17 @@ def _dispatch(result: dict[str, Any]) -> list[str]:
             f"| {size} | {row['p50_ms']} | {row['p99_ms']} | {row['max_ms']} | "
             f"{row['p50_ratio_to_baseline']} | {row['p99_ratio_to_baseline']} |"
         )
+    return lines
+
+
+def _dispatch(result: dict[str, Any]) -> list[str]:
+    lines = _latency(
+        "Dispatch latency (enqueue to runner-has-job)",
+        result,
+        f"Two replicas, runners split across them, {result['samples_per_size']} jobs enqueued "
+        "one at a time per size.",
+        "parked runners",
+    )
     cancel = result.get("cancel_to_held_heartbeat")
     if cancel:
         lines += [
@@ -58,17 +75,16 @@ def _dispatch(result: dict[str, Any]) -> list[str]:
 
 
 def _throughput(result: dict[str, Any]) -> list[str]:
-    lines = [
-        "## Throughput (whole lifecycle: claim, one heartbeat, complete)",
-        "",
-        f"Machine: {_machine(result)}. {result['jobs_per_run']} jobs per run, pre-enqueued; "
-        f"HTTP through {_replicas(result)}; SQL on direct connections with the store's "
-        f"statements. Each figure is the median of {result.get('rounds', 1)} interleaved runs "
-        f"(their range in brackets). Same-server pgbench TPC-B: {result['pgbench_tpcb_tps']} tps.",
-        "",
+    lines = _section(
+        "Throughput (whole lifecycle: claim, one heartbeat, complete)",
+        result,
+        f"{result['jobs_per_run']} jobs per run, pre-enqueued; HTTP through {_replicas(result)}; "
+        "SQL on direct connections with the store's statements. Each figure is the median of "
+        f"{result.get('rounds', 1)} interleaved runs (their range in brackets). Same-server "
+        f"pgbench TPC-B: {result['pgbench_tpcb_tps']} tps.",
         "| runners | HTTP jobs/s | SQL jobs/s (baseline) | HTTP / SQL |",
         "|---:|---:|---:|---:|",
-    ]
+    )
     for count, row in result["runs"].items():
         lines.append(
             f"| {count} | {row['http_jobs_per_s']}{_range(row.get('http_rounds'))} | "
@@ -223,22 +239,21 @@ def _scale(result: dict[str, Any]) -> list[str]:
 
 def _soak(result: dict[str, Any]) -> list[str]:
     found, given, activity = result["audit"], result["parameters"], result["activity"]
-    lines = [
-        "## Soak",
-        "",
-        f"Machine: {_machine(result)}. {given['minutes']} min of chaos: {given['replicas']} "
-        f"replicas, {given['runners']} runners, {given['provisioners']} provisioners, "
-        f"{given['jobs_per_s']} jobs/s enqueued ({given['provisioned_share']:.0%} for "
-        f"provisioned runners), a kill every {given['chaos_every_s']} s on average (seed "
-        f"{given['seed']}): {activity.get('replica_kills', 0)} replica SIGKILLs, "
+    lines = _section(
+        "Soak",
+        result,
+        f"{given['minutes']} min of chaos: {given['replicas']} replicas, {given['runners']} "
+        f"runners, {given['provisioners']} provisioners, {given['jobs_per_s']} jobs/s enqueued "
+        f"({given['provisioned_share']:.0%} for provisioned runners), a kill every "
+        f"{given['chaos_every_s']} s on average (seed {given['seed']}): "
+        f"{activity.get('replica_kills', 0)} replica SIGKILLs, "
         f"{activity.get('runner_kills', 0)} runners or machines killed, "
         f"{activity.get('machines_started', 0)} machines launched, "
         f"{activity.get('provisioner_reconnects', 0)} provisioner reconnects. Then the queue "
         f"drained; {result['elapsed_s']} s in all.",
-        "",
         "| audit | count | must be |",
         "|---|---:|---|",
-    ]
+    )
     for key, name in (
         ("enqueued", "jobs enqueued"),
         ("completed", "completed"),
@@ -263,37 +278,26 @@ def _soak(result: dict[str, Any]) -> list[str]:
 
 
 def _demand(result: dict[str, Any]) -> list[str]:
-    base = result["baseline_insert_notify_listen"]
-    lines = [
-        "## Demand latency (enqueue commit to grant received over the control session)",
-        "",
-        f"Machine: {_machine(result)}. Two replicas, workspace provisioners split across them "
-        f"(one workspace each), {result['samples_per_size']} jobs enqueued one at a time per "
-        "size, each into the next provisioner's workspace. Target: p99 under 50 ms.",
-        "",
-        "| connected provisioners | p50 ms | p99 ms | max ms | p50 / baseline | p99 / baseline |",
-        "|---:|---:|---:|---:|---:|---:|",
-        f"| baseline: INSERT+NOTIFY -> LISTEN | {base['p50_ms']} | {base['p99_ms']} | "
-        f"{base['max_ms']} | 1.0 | 1.0 |",
-    ]
-    for size, row in result["sizes"].items():
-        lines.append(
-            f"| {size} | {row['p50_ms']} | {row['p99_ms']} | {row['max_ms']} | "
-            f"{row['p50_ratio_to_baseline']} | {row['p99_ratio_to_baseline']} |"
-        )
+    lines = _latency(
+        "Demand latency (enqueue commit to grant received over the control session)",
+        result,
+        "Two replicas, workspace provisioners split across them (one workspace each), "
+        f"{result['samples_per_size']} jobs enqueued one at a time per size, each into the next "
+        "provisioner's workspace. Target: p99 under 50 ms.",
+        "connected provisioners",
+    )
     return [*lines, ""]
 
 
 def _cli_startup(result: dict[str, Any]) -> list[str]:
-    lines = [
-        "## CLI start-up (a fresh process per run, until it exits)",
-        "",
-        f"Machine: {_machine(result)}. Medians of {result['rounds']} rounds, each command "
-        "interleaved with the baseline. Target: under 0.3 s.",
-        "",
+    lines = _section(
+        "CLI start-up (a fresh process per run, until it exits)",
+        result,
+        f"Medians of {result['rounds']} rounds, each command interleaved with the baseline. "
+        "Target: under 0.3 s.",
         "| command | median s | max s | median / baseline |",
         "|---|---:|---:|---:|",
-    ]
+    )
     for name, row in result["commands"].items():
         lines.append(
             f"| {name} | {row['median_s']} | {row['max_s']} | {row['ratio_to_baseline']} |"
@@ -302,19 +306,18 @@ def _cli_startup(result: dict[str, Any]) -> list[str]:
 
 
 def _limits(result: dict[str, Any]) -> list[str]:
-    lines = [
-        "## Connection limits: throughput before and after (same run)",
-        "",
-        f"Machine: {_machine(result)}. bench/throughput.py's HTTP lifecycle, "
-        f"{result['jobs_per_run']} jobs per run, through one replica of the tree before the limits "
-        f"({result['baseline']}) and one of this tree, both on one database, the order "
-        f"alternating round by round; medians of {result['rounds']} rounds (all rounds in "
-        "brackets). Target: after / before at least 0.95.",
-        "",
+    lines = _section(
+        "Connection limits: throughput before and after (same run)",
+        result,
+        f"bench/throughput.py's HTTP lifecycle, {result['jobs_per_run']} jobs per run, through "
+        f"one replica of the tree before the limits ({result['baseline']}) and one of this tree, "
+        "both on one database, the order alternating round by round; medians of "
+        f"{result['rounds']} rounds (all rounds in brackets). Target: after / before at least "
+        "0.95.",
         "| runners | before jobs/s | after jobs/s | after / before | median of round ratios "
         "| replica CPU us/job before | after |",
         "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    )
     for count, row in result["runs"].items():
         lines.append(
             f"| {count} | {row['before_jobs_per_s']} ({', '.join(map(str, row['before_rounds']))}) "
@@ -322,6 +325,39 @@ def _limits(result: dict[str, Any]) -> list[str]:
             f"| {row['after_to_before']} | {row.get('paired_after_to_before', '')} "
             f"| {row.get('before_cpu_us_per_job', '')} | {row.get('after_cpu_us_per_job', '')} |"
         )
+    return [*lines, ""]
+
+
+def _compare(result: dict[str, Any]) -> list[str]:
+    sizes = result["sizes"]
+    lines = _section(
+        "Refactor: before and after (same run)",
+        result,
+        "Issue 13's acceptance: the main figures of bench/throughput.py, bench/dispatch.py and "
+        f"bench/demand.py through the tree before the refactor ({result['baseline']}) and this "
+        "tree, each side with its own two replicas, database and measuring process, all in its "
+        "own tree's code (bench/compare.py); the order alternating round by round, medians of "
+        f"{sizes['rounds']} rounds; {sizes['jobs']} jobs per lifecycle run, {sizes['samples']} "
+        f"samples per latency run; {result['elapsed_s']} s in all. Change is the median of the "
+        "rounds' own after / before ratios, signed so that negative is worse. Target: no figure "
+        "worse by more than 5%.",
+        "| benchmark | figure | unit | before | after | after / before | median of round "
+        "ratios | change |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    )
+    for row in result["figures"]:
+        verdict = " (worse by more than 5%)" if row["worse_by_more_than_5_percent"] else ""
+        lines.append(
+            f"| {row['benchmark']} | {row['figure']} | {row['unit']} | {row['before']} | "
+            f"{row['after']} | {row['after_to_before']} | {row['paired_after_to_before']} | "
+            f"{row['change']:+.1%}{verdict} |"
+        )
+    worse = [
+        f"{row['benchmark']} {row['figure']} ({row['unit']})"
+        for row in result["figures"]
+        if row["worse_by_more_than_5_percent"]
+    ]
+    lines += ["", f"Worse by more than 5%: {'; '.join(worse) if worse else 'none'}."]
     return [*lines, ""]
 
 
@@ -334,6 +370,7 @@ RENDERERS = {
     "soak": _soak,
     "cli_startup": _cli_startup,
     "limits": _limits,
+    "compare": _compare,
 }
 
 

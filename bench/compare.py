@@ -1,0 +1,307 @@
+"""Issue 13's acceptance: throughput, dispatch and demand before and after, in the same run.
+
+Two sides on one PostgreSQL, each on a database of its own which its first replica migrates with
+its own migrations: `before` runs the baseline tree (harness.baseline_tree: BENCH_BASELINE_REF,
+default 1089cdd, the tree issue 13 started from; or the checkout BENCH_BASELINE_TREE names),
+`after` this checkout. A side is two replicas of its tree and one measuring process
+(bench/compare_side.py) that runs its tree's own bench functions, so all that a side runs is its
+tree's code: the daemon, and the store calls that enqueue jobs, make tokens and provisioners and
+run the SQL lifecycle. Before measuring, every replica and both measuring processes name the
+`controlplane` they imported; the run stops unless each lies in its side's tree.
+
+Each round takes every measurement through one side and then the other, the order alternating
+round by round (harness.alternated):
+
+* throughput: the HTTP lifecycle through the side's first replica (jobs/s, and that replica's
+  CPU per job) and the SQL lifecycle (jobs/s), at each runner count;
+* dispatch: enqueue to runner-has-job, runners parked on both replicas (p50, p99 ms), at each
+  count of parked runners; cancel to held heartbeat (p50, p99 ms);
+* demand: enqueue to grant over the control session, provisioners on both replicas (p50, p99 ms),
+  at each count of provisioners.
+
+Each figure is reported as the median of its rounds on each side, the ratio of those medians,
+and the median of the rounds' own ratios, on which the verdict rests: a figure is worse by more
+than 5% when that ratio is under 0.95 (jobs/s) or over 1.05 (ms, CPU). The result goes to
+bench/results/compare.json; bench/report.py renders it.
+
+Sizes come from the environment; the defaults make the full run (bench/notes.md says how long
+it takes): BENCH_COMPARE_ROUNDS (6), BENCH_COMPARE_JOBS (3000 jobs per throughput run),
+BENCH_COMPARE_RUNNERS (10,50,200), BENCH_COMPARE_SAMPLES (200 per latency run),
+BENCH_COMPARE_DISPATCH (10,100,1000 parked runners), BENCH_COMPARE_DEMAND (1,10,100
+provisioners), BENCH_COMPARE_CANCEL (50 samples; 0 leaves it out). An empty list leaves a
+benchmark out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from bench import harness
+
+BASELINE_REF = "1089cdd"
+REPLICAS = 2  # dispatch and demand split their clients over two; throughput uses the first
+SIDE_SCRIPT = Path(__file__).with_name("compare_side.py")
+# The longest one measurement may take: 3,000 jobs at 10 jobs/s on a machine busy with other work.
+ANSWER_DEADLINE = 600
+TOLERANCE = 0.05  # issue 13: no figure worse by more than 5%
+
+
+@dataclass(frozen=True)
+class Sizes:
+    rounds: int = 6
+    jobs: int = 3000
+    runners: tuple[int, ...] = (10, 50, 200)
+    samples: int = 200
+    dispatch: tuple[int, ...] = (10, 100, 1000)
+    demand: tuple[int, ...] = (1, 10, 100)
+    cancel: int = 50
+
+    @classmethod
+    def from_env(cls) -> Sizes:
+        default = cls()
+
+        def number(name: str, value: int) -> int:
+            return int(os.environ.get(f"BENCH_COMPARE_{name}", value))
+
+        def counts(name: str, value: tuple[int, ...]) -> tuple[int, ...]:
+            given = os.environ.get(f"BENCH_COMPARE_{name}")
+            if given is None:
+                return value
+            return tuple(int(part) for part in given.split(",") if part.strip())
+
+        return cls(
+            rounds=number("ROUNDS", default.rounds),
+            jobs=number("JOBS", default.jobs),
+            runners=counts("RUNNERS", default.runners),
+            samples=number("SAMPLES", default.samples),
+            dispatch=counts("DISPATCH", default.dispatch),
+            demand=counts("DEMAND", default.demand),
+            cancel=number("CANCEL", default.cancel),
+        )
+
+
+@dataclass(frozen=True)
+class Measurement:
+    benchmark: str
+    title: str
+    measure: str  # what compare_side.py calls it
+    size: int
+    amount: int  # jobs for a lifecycle, samples for a latency
+    replicas: int  # how many of a side's replicas it uses
+
+
+def plan(sizes: Sizes) -> list[Measurement]:
+    """One round's measurements, in the order each round takes them."""
+    lifecycles = (("HTTP", "http_lifecycle", 1), ("SQL", "sql_lifecycle", 0))
+    throughput = [
+        Measurement("throughput", f"{kind} lifecycle, {n} runners", measure, n, sizes.jobs, used)
+        for n in sizes.runners
+        for kind, measure, used in lifecycles
+    ]
+    dispatch = [
+        Measurement(
+            "dispatch",
+            f"enqueue to runner, {n} parked runners",
+            "dispatch",
+            n,
+            sizes.samples,
+            REPLICAS,
+        )
+        for n in sizes.dispatch
+    ]
+    if sizes.cancel and sizes.dispatch:
+        dispatch.append(
+            Measurement("dispatch", "cancel to held heartbeat", "cancel", 1, sizes.cancel, 1)
+        )
+    demand = [
+        Measurement(
+            "demand", f"enqueue to grant, {n} provisioners", "demand", n, sizes.samples, REPLICAS
+        )
+        for n in sizes.demand
+    ]
+    return [*throughput, *dispatch, *demand]
+
+
+@dataclass
+class Track:
+    """One figure of one measurement, on both sides."""
+
+    benchmark: str
+    figure: str
+    unit: str
+    higher_is_better: bool
+    digits: int
+    values: harness.BeforeAfter = field(default_factory=harness.BeforeAfter)
+
+    def result(self) -> dict[str, Any]:
+        found = self.values.summary(self.digits)
+        paired = found["paired_after_to_before"]
+        # Positive when after is better, negative when worse, whichever way the unit points.
+        change = paired - 1 if self.higher_is_better else 1 - paired
+        return {
+            "benchmark": self.benchmark,
+            "figure": self.figure,
+            "unit": self.unit,
+            "better": "higher" if self.higher_is_better else "lower",
+            **found,
+            "change": round(change, 3),
+            "worse_by_more_than_5_percent": change < -TOLERANCE,
+        }
+
+
+def record(
+    tracks: dict[str, Track], measured: Measurement, side: str, value: Any, cpu_s: float
+) -> str:
+    """Add one side's run to its figures' tracks; a line saying what it measured."""
+
+    def add(unit: str, higher_is_better: bool, digits: int, figure: float) -> str:
+        key = f"{measured.benchmark}: {measured.title}: {unit}"
+        if key not in tracks:
+            tracks[key] = Track(measured.benchmark, measured.title, unit, higher_is_better, digits)
+        tracks[key].values.add(side, figure)
+        return f"{figure:.{digits}f} {unit}"
+
+    if isinstance(value, list):  # latencies in seconds
+        summary = harness.summary_ms(value)
+        said = [add(f"{q} ms", False, 3, summary[f"{q}_ms"]) for q in ("p50", "p99")]
+    else:
+        said = [add("jobs/s", True, 1, value)]
+        if measured.replicas:
+            said.append(add("replica CPU us/job", False, 1, cpu_s / measured.amount * 1e6))
+    return f"{measured.benchmark}, {measured.title}: {side} {', '.join(said)}"
+
+
+@dataclass
+class Side:
+    name: str
+    tree: Path
+    url: str
+    replicas: list[harness.Replica]
+    process: Process
+    answers: BufferedByteReceiveStream
+    code: dict[str, Any]
+
+    async def measure(self, measured: Measurement) -> tuple[Any, float]:
+        """What the side's measuring process answered, and the CPU seconds the replicas used
+        spent meanwhile."""
+        used = self.replicas[: measured.replicas]
+        request = {
+            "measure": measured.measure,
+            "url": self.url,
+            "addresses": [replica.address for replica in used],
+            "size": measured.size,
+            "amount": measured.amount,
+        }
+        spent = sum(harness.cpu_seconds(replica.process.pid) for replica in used)
+        assert self.process.stdin is not None
+        await self.process.stdin.send(json.dumps(request).encode() + b"\n")
+        with anyio.fail_after(ANSWER_DEADLINE):
+            answer = json.loads(await self.answers.receive_until(b"\n", 1 << 24))
+        if "error" in answer:
+            raise RuntimeError(f"{self.name} side, {measured.title}:\n{answer['error']}")
+        spent = sum(harness.cpu_seconds(replica.process.pid) for replica in used) - spent
+        return answer["value"], spent
+
+
+@contextlib.asynccontextmanager
+async def open_side(name: str, tree: Path, server: str) -> AsyncIterator[Side]:
+    """A side: a database, its replicas and its measuring process, all in `tree`'s code."""
+    url = await harness.empty_database(server)
+    replicas: list[harness.Replica] = []
+    try:
+        for _ in range(REPLICAS):  # one after the other: the first migrates the database
+            replicas.append(await harness.start_tree_replica(url, tree))
+        process = await anyio.open_process(
+            [sys.executable, str(SIDE_SCRIPT)],
+            env={**os.environ, **harness.tree_env(tree)},
+            stderr=None,
+        )
+        try:
+            assert process.stdout is not None
+            answers = BufferedByteReceiveStream(process.stdout)
+            with anyio.fail_after(60):
+                code = json.loads(await answers.receive_until(b"\n", 1 << 16))
+            code["replicas"] = [replica.code for replica in replicas]
+            yield Side(name, tree, url, replicas, process, answers, code)
+        finally:
+            with anyio.CancelScope(shield=True):
+                assert process.stdin is not None
+                await process.stdin.aclose()  # its loop ends with its input
+                with anyio.move_on_after(30):
+                    await process.wait()
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+    finally:
+        harness.stop_replicas(replicas)
+
+
+def check_code(before: Side, after: Side) -> None:
+    """Stop unless each side's measuring process imported its own tree's code (start_tree_replica
+    checked the replicas), and the two sides' files differ."""
+    for side in (before, after):
+        for name in ("controlplane", "bench"):
+            if not harness.within(side.code[name], side.tree):
+                raise RuntimeError(f"the {side.name} side imported {side.code[name]}")
+        print(f"{side.name}: measures with {side.code['bench']} and {side.code['controlplane']}")
+        for replica in side.code["replicas"]:
+            print(f"{side.name}: a replica runs {replica}")
+    if before.code["controlplane"] == after.code["controlplane"]:
+        raise RuntimeError("both sides run the same files")
+
+
+async def run(sizes: Sizes | None = None) -> dict[str, Any]:
+    sizes = sizes or Sizes.from_env()
+    harness.raise_fd_limit()  # up to 1,000 parked runners; the replicas and sides inherit it
+    measurements = plan(sizes)
+    tracks: dict[str, Track] = {}
+    started = time.monotonic()
+    with harness.baseline_tree(BASELINE_REF) as (tree, name), harness.postgres() as server:
+        async with (
+            open_side("before", tree, server) as before,
+            open_side("after", harness.ROOT, server) as after,
+        ):
+            check_code(before, after)
+            code = {side.name: side.code for side in (before, after)}
+            for index in range(sizes.rounds):
+                for measured in measurements:
+                    for side in harness.alternated(index, (before, after)):
+                        began = time.monotonic()
+                        value, cpu_s = await side.measure(measured)
+                        said = record(tracks, measured, side.name, value, cpu_s)
+                        took = time.monotonic() - began
+                        print(f"round {index + 1}/{sizes.rounds}, {said} ({took:.1f} s)")
+                print(f"round {index + 1} done, {time.monotonic() - started:.0f} s in")
+    results: dict[str, Any] = {
+        "baseline": name,
+        "sizes": asdict(sizes),
+        "elapsed_s": round(time.monotonic() - started),
+        "code": code,
+        "figures": [track.result() for track in tracks.values()],
+    }
+    for figure in results["figures"]:
+        print(
+            f"{figure['benchmark']}, {figure['figure']}, {figure['unit']}: before "
+            f"{figure['before']}, after {figure['after']} ({figure['after_to_before']}; median of "
+            f"the rounds' ratios {figure['paired_after_to_before']})"
+            + (" WORSE by more than 5%" if figure["worse_by_more_than_5_percent"] else "")
+        )
+    path = harness.write_result("compare", results)
+    print(f"wrote {path} after {results['elapsed_s']} s")
+    return results
+
+
+if __name__ == "__main__":
+    anyio.run(run)
