@@ -54,6 +54,14 @@ running_jobs = Gauge(
     "Leased job executions (all replicas).",
     registry=REGISTRY,
 )
+connections_closed = Counter(
+    "controlplane_http_connections_closed_total",
+    "Connections this replica closed or refused at its connection limits, by reason "
+    "(evicted, refused, header-too-large, header-timeout, websocket-message-too-large, "
+    "websocket-protocol-error).",
+    ["reason"],
+    registry=REGISTRY,
+)
 listener_connected = Gauge(
     "controlplane_listener_connected", "1 while LISTEN/NOTIFY is connected.", registry=REGISTRY
 )

@@ -38,6 +38,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from uvicorn.server import ServerState
 
+from controlplane import metrics
 from controlplane.settings import Settings
 from controlplane.wire.common import ErrorBody, ErrorEnvelope
 
@@ -106,12 +107,14 @@ class ConnectionGate:
         if len(self._open) >= self.cap:
             if not self._waiting:
                 self._refused += 1
+                metrics.connections_closed.labels("refused").inc()
                 self._report()
                 return False
             oldest = next(iter(self._waiting))
             self.release(oldest)
             oldest.close()
             self._evicted += 1
+            metrics.connections_closed.labels("evicted").inc()
             self._report()
         self._open.add(transport)
         self._waiting[transport] = None
@@ -303,10 +306,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _head_too_slow(self) -> None:
         self._head_deadline = None
         if not self.transport.is_closing():
+            metrics.connections_closed.labels("header-timeout").inc()
             self.transport.close()
 
     def _refuse_head(self) -> None:
         self._stop_head_deadline()
+        metrics.connections_closed.labels("header-too-large").inc()
         if self.cycle is not None and not self.cycle.response_complete:
             # A pipelined head behind a request still being answered: no room for a 431.
             self.transport.close()
@@ -337,6 +342,9 @@ class LimitedWebSocketProtocol(WebSocketsSansIOProtocol):
         closing = self.conn.close_sent
         code = closing.code if closing is not None else 1006
         reason = closing.reason if closing is not None else ""
+        metrics.connections_closed.labels(
+            "websocket-message-too-large" if code == 1009 else "websocket-protocol-error"
+        ).inc()
         self.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
         self.transport.write(b"".join(self.conn.data_to_send()))
         self.close_sent = True

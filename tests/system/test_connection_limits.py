@@ -99,6 +99,20 @@ def _healthz(where: tuple[str, int]) -> float:
     return elapsed
 
 
+def _closed(where: tuple[str, int], reason: str) -> float:
+    """`controlplane_http_connections_closed_total{reason=...}` as the replica reports it."""
+    with socket.create_connection(where, timeout=10) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    sample = f'controlplane_http_connections_closed_total{{reason="{reason}"}} '.encode()
+    for line in answer.split(b"\n"):
+        if line.startswith(sample):
+            return float(line[len(sample) :])
+    return 0.0
+
+
 async def _latency_bound(where: tuple[str, int]) -> float:
     """max(100 ms, 20 x the idle median) of /healthz on this replica, now."""
     with anyio.fail_after(10):
@@ -191,6 +205,8 @@ async def test_unfinished_huge_headers_neither_grow_memory_nor_stall_healthz(
         error = msgspec.json.decode(body)["error"]
         assert error["code"] == "header-too-large"
         assert error["details"] == {"limit": 16384}
+        # The 100 attackers of each round, and this one.
+        assert _closed(where, "header-too-large") == 201
 
         # A small head with a big body in the same write is not a big head.
         with anyio.fail_after(10):
@@ -255,6 +271,11 @@ async def test_slowloris_connections_are_closed_and_healthz_answers_beyond_the_c
         with anyio.fail_after(deadline + 15):
             await _probe_while(where, bound, attack)
         assert len(closed) == slow_count
+        # Each slow connection was closed by the replica: made room for another at the cap,
+        # or timed out; the probes sent whole heads and were answered.
+        shed = sum(_closed(where, reason) for reason in ("evicted", "header-timeout"))
+        assert shed == slow_count
+        assert _closed(where, "header-timeout") >= 1
 
 
 async def test_websocket_frame_over_64_kib_is_refused_1009_before_it_is_buffered(
@@ -315,6 +336,7 @@ async def test_websocket_frame_over_64_kib_is_refused_1009_before_it_is_buffered
                     group.start_soon(oversized_frame, where, codes)
         grown = _peak_kib(pid) - before
         assert codes == [1009] * 21
+        assert _closed(where, "websocket-message-too-large") == 21
         assert grown < RSS_BOUND_KIB, f"peak RSS grew {grown} KiB over {before} KiB"
 
 
@@ -368,6 +390,9 @@ async def test_at_the_cap_the_longest_idle_connection_makes_room_else_503(
         error = msgspec.json.decode(body)["error"]
         assert error["code"] == "too-many-connections"
         assert error["details"] == {"limit": cap}
+        await stack.aclose()  # room again, for the scrape
+        assert _closed(where, "evicted") == 1
+        assert _closed(where, "refused") == 1
 
 
 async def test_a_control_session_outlives_the_header_deadline(
