@@ -57,7 +57,8 @@ running_jobs = Gauge(
 connections_closed = Counter(
     "controlplane_http_connections_closed_total",
     "Connections this replica closed or refused at its connection limits, by reason "
-    "(evicted, refused, header-too-large, header-timeout, websocket-message-too-large, "
+    "(evicted, refused, header-too-large, header-timeout, body-timeout, "
+    "websocket-message-too-large, "
     "websocket-protocol-error).",
     ["reason"],
     registry=REGISTRY,

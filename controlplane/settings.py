@@ -53,6 +53,7 @@ class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_connections: Annotated[int, msgspec.Meta(ge=8, le=1_000_000)] = 16_384
     max_header_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1024 * 1024)] = 16 * 1024
     header_read_timeout_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=300)] = 10.0
+    body_read_timeout_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] = 30.0
     websocket_max_message_bytes: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024)] = 64 * 1024
 
 

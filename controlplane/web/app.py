@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
@@ -24,6 +24,7 @@ from controlplane.web import (
 )
 from controlplane.web.errors import (
     DATABASE_FAULTS,
+    handle_client_disconnect,
     handle_control_plane_error,
     handle_http_exception,
     handle_unexpected,
@@ -86,6 +87,7 @@ def build(services: Services | None) -> Starlette:
         exception_handlers={
             ControlPlaneError: handle_control_plane_error,
             HTTPException: handle_http_exception,
+            ClientDisconnect: handle_client_disconnect,
             **dict.fromkeys(DATABASE_FAULTS, handle_unexpected),
             Exception: handle_unexpected,
         },

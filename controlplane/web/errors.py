@@ -79,6 +79,13 @@ DATABASE_FAULTS: tuple[type[Exception], ...] = (
 )
 
 
+async def handle_client_disconnect(request: Request, _exc: Exception) -> Response:
+    """The client left before its body was complete, or the body deadline passed
+    (web/server.py answered 408 itself): nobody reads this answer, and nothing failed here."""
+    log.info("http.client_disconnected", extra={"path": request.url.path})
+    return Response(status_code=400)
+
+
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     if isinstance(exc, DATABASE_FAULTS):
         # The database is unreachable, restarting, or too slow: retryable, so 503.

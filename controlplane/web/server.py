@@ -8,6 +8,9 @@ any route (or credential check) sees it.
 - the head must be complete within `header_read_timeout_seconds` of the connection opening or
   of the first byte of the next request on a kept-alive connection, else the connection is
   closed (a slowloris holds a descriptor only that long);
+- a request's body must be complete within `body_read_timeout_seconds` of its head, else the
+  client gets 408 (or, once a response has begun, the connection is closed). Only a body that
+  does not arrive in the head's own read arms the timer, so most requests never pay for it;
 - at most `max_connections` connections are open per replica. At the cap a new connection
   closes the one that has waited longest without a request in progress (half-open, or idle
   between requests); when every connection is working, the new one gets 503 and is closed;
@@ -59,6 +62,7 @@ class ConnectionLimits:
     max_connections: int
     max_header_bytes: int
     header_read_timeout_seconds: float
+    body_read_timeout_seconds: float
     keep_alive_seconds: int
     websocket_max_message_bytes: int
 
@@ -69,6 +73,7 @@ class ConnectionLimits:
             max_connections=server.max_connections,
             max_header_bytes=server.max_header_bytes,
             header_read_timeout_seconds=server.header_read_timeout_seconds,
+            body_read_timeout_seconds=server.body_read_timeout_seconds,
             keep_alive_seconds=server.keep_alive_seconds,
             websocket_max_message_bytes=server.websocket_max_message_bytes,
         )
@@ -157,6 +162,14 @@ class LimitedConfig(uvicorn.Config):
             f"the request line and headers exceed {limits.max_header_bytes} bytes",
             limit=limits.max_header_bytes,
         )
+        self.body_too_slow = _canned(
+            408,
+            "Request Timeout",
+            "body-timeout",
+            f"the request body was not complete within {limits.body_read_timeout_seconds:g} s "
+            "of its head",
+            limit_seconds=limits.body_read_timeout_seconds,
+        )
         self.over_capacity = _canned(
             503,
             "Service Unavailable",
@@ -199,6 +212,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._reading = _BETWEEN
         self._head_bytes = 0
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
         self._linger: _Linger | None = None
         self._upgraded = False
         self._admitted = False
@@ -219,6 +233,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             return
         self._gate.release(self.transport)
         self._stop_head_deadline()
+        self._stop_body_deadline()
         if self._linger is not None:
             self._linger.timer.cancel()
         super().connection_lost(exc)
@@ -251,6 +266,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
                 return
         if self._awaiting_head() and self._head_deadline is None:
             self._start_head_deadline()
+        elif self._reading == _BODY and not self._upgraded and self._body_deadline is None:
+            # The head is in, its body is not: the client has this long to send the rest.
+            self._body_deadline = self.loop.call_later(
+                self._limits.body_read_timeout_seconds, self._body_too_slow
+            )
 
     def _awaiting_head(self) -> bool:
         if self._upgraded:
@@ -280,6 +300,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._reading = _BETWEEN
+        self._stop_body_deadline()
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
@@ -308,6 +329,27 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             metrics.connections_closed.labels("header-timeout").inc()
             self.transport.close()
+
+    def _stop_body_deadline(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_too_slow(self) -> None:
+        self._body_deadline = None
+        if self.transport.is_closing():
+            return
+        metrics.connections_closed.labels("body-timeout").inc()
+        cycle = self.cycle
+        if cycle is None or cycle.response_started:
+            self.transport.close()
+            return
+        # Answer 408 ourselves. The app, still waiting for the body, is told the client left
+        # (ClientDisconnect, web/errors.py), and anything it sends after is dropped by uvicorn.
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self.transport.write(self._config.body_too_slow)
+        self._linger = _Linger(self.transport, self.loop)
 
     def _refuse_head(self) -> None:
         self._stop_head_deadline()
@@ -408,6 +450,7 @@ def build(app: ASGIApp, settings: Settings) -> Server:
             max_connections=cap,
             max_header_bytes=limits.max_header_bytes,
             header_read_timeout_seconds=limits.header_read_timeout_seconds,
+            body_read_timeout_seconds=limits.body_read_timeout_seconds,
             keep_alive_seconds=limits.keep_alive_seconds,
             websocket_max_message_bytes=limits.websocket_max_message_bytes,
         )

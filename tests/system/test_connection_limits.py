@@ -33,6 +33,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from controlplane.store import provisioners
 from tests.system.conftest import DaemonProcess, SpawnDaemon
+from tests.system.wire import orchestrator_and_registration
 
 pytestmark = pytest.mark.system
 
@@ -422,3 +423,70 @@ async def test_a_control_session_outlives_the_header_deadline(
             await ws.send(json.dumps({"type": "ping", "request_id": "p"}))
             with anyio.fail_after(10):
                 assert json.loads(await ws.recv()) == {"type": "pong", "request_id": "p"}
+
+
+async def test_a_body_sent_too_slowly_gets_408_and_frees_its_connection(
+    spawn_daemon: SpawnDaemon, database_url: str
+) -> None:
+    deadline = 1.0
+    orchestrator, _ = await orchestrator_and_registration(database_url, uuid.uuid4())
+
+    def head(token: str, length: int = 1000) -> bytes:
+        return (
+            f"POST /v1/jobs HTTP/1.1\r\nhost: t\r\nauthorization: Bearer {token}\r\n"
+            f"content-type: application/json\r\ncontent-length: {length}\r\n\r\n"
+        ).encode()
+
+    async with spawn_daemon(CONTROLPLANE_SERVER_BODY_READ_TIMEOUT_SECONDS=str(deadline)) as replica:
+        where = _where(replica)
+
+        async def stalled(token: str) -> bytes:
+            """Ten bytes of the body, then nothing."""
+            async with await anyio.connect_tcp(*where) as stream:
+                await stream.send(head(token) + b'{"jobs": [')
+                return await _read_all(stream)
+
+        async def trickled(token: str) -> bytes:
+            """A byte every 0.1 s: each one is progress, but the deadline is for the whole body."""
+            async with await anyio.connect_tcp(*where) as stream:
+                await stream.send(head(token))
+                answer = b""
+                with contextlib.suppress(*GONE):
+                    while not answer:
+                        with anyio.move_on_after(0.1):
+                            answer = await stream.receive()
+                        if not answer:
+                            await stream.send(b" ")
+                return answer + await _read_all(stream)
+
+        for attempt in (stalled, trickled):
+            started = anyio.current_time()
+            with anyio.fail_after(deadline + 15):
+                answer = await attempt(orchestrator)
+            assert anyio.current_time() - started >= 0.9 * deadline
+            status, _, body = answer.partition(b"\r\n\r\n")
+            assert status.startswith(b"HTTP/1.1 408 "), answer[:300]
+            assert b"connection: close" in status.lower()
+            error = msgspec.json.decode(body)["error"]
+            assert error["code"] == "body-timeout"
+            assert error["details"] == {"limit_seconds": deadline}
+
+        # A route that answers before reading the body (401 here) has answered: the rest of
+        # the body still has only the deadline to arrive, then the connection is closed.
+        started = anyio.current_time()
+        with anyio.fail_after(deadline + 15):
+            answer = await stalled("not-a-key")
+        assert answer.startswith(b"HTTP/1.1 401 "), answer[:300]
+        assert anyio.current_time() - started >= 0.9 * deadline
+        assert _closed(where, "body-timeout") == 3
+
+        # A body that arrives in pieces, in time, is read and judged as usual (an empty batch).
+        with anyio.fail_after(10):
+            async with await anyio.connect_tcp(*where) as stream:
+                await stream.send(head(orchestrator, 12))
+                await stream.send(b'{"jobs": ')
+                await stream.send(b"[]}")
+                answer = await stream.receive()
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]
+        assert b'"validation-error"' in answer
+    assert "http.unhandled" not in replica.log.read_text()
