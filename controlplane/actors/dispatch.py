@@ -320,6 +320,10 @@ class WorkspaceActor:
                 jobs = await self._store.claim_batch(
                     self.workspace_id, labels, [w.session.runner_session_id for w in run]
                 )
+            except ControlPlaneError as error:  # e.g. DatabaseUnavailable: each hears its code
+                for waiter in run:
+                    waiter.fail(error)
+                return
             except Exception as error:  # a database fault must not kill the actor
                 log.warning("dispatch.claim_failed", extra={"error": repr(error)})
                 for waiter in run:

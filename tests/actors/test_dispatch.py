@@ -16,7 +16,7 @@ import trio.testing
 from controlplane.actors.dispatch import Dispatcher, Waiter, WaiterState
 from controlplane.domain.jobs import ClaimedJob, JobIdentity, SessionClaims
 from controlplane.domain.labels import LabelSet
-from controlplane.errors import Unavailable
+from controlplane.errors import DatabaseUnavailable, Unavailable
 
 WORKSPACE = uuid.uuid4()
 
@@ -38,6 +38,7 @@ class FakeStore:
         self.touches: list[list[UUID]] = []
         self.batches: list[int] = []  # sessions per batch claim
         self.before_empty_answer: Any = None  # awaited by a claim that is about to find nothing
+        self.failure: Exception | None = None  # raised by every claim while set
 
     def add(self, labels: LabelSet) -> ClaimedJob:
         job = ClaimedJob(
@@ -54,6 +55,8 @@ class FakeStore:
         self.claims.append(session.labels)
         self.claim_started.set()
         await anyio.sleep(0.001)  # a claim takes a round trip
+        if self.failure is not None:
+            raise self.failure
         for index, (labels, job) in enumerate(self.jobs):
             if set(labels) <= set(session.labels):
                 del self.jobs[index]
@@ -73,6 +76,8 @@ class FakeStore:
         self.batches.append(len(runner_session_ids))
         self.claim_started.set()
         await anyio.sleep(0.001)
+        if self.failure is not None:
+            raise self.failure
         claimed: dict[UUID, ClaimedJob] = {}
         for session_id in runner_session_ids:
             for index, (required, job) in enumerate(self.jobs):
@@ -325,5 +330,37 @@ async def test_parked_sessions_are_touched_together_once_per_interval() -> None:
         ids = {each.session.runner_session_id for each in parked}
         assert all(set(batch) == ids for batch in store.touches[1:])
         assert 3 <= len(store.touches) <= 4  # every 10 s, not per tick or per runner
+
+    await _run(store, body)
+
+
+async def test_a_claim_that_fails_for_a_named_reason_answers_each_waiter_with_it() -> None:
+    """A store error with a code (the database unreachable) reaches every waiter of the claim,
+    single or batched, as itself; anything else is a generic `unavailable`."""
+    store = FakeStore()
+    store.failure = DatabaseUnavailable("database unavailable; retry")
+    batch = [waiter("linux") for _ in range(3)]
+    single = waiter("macos")
+
+    async def body(dispatcher: Dispatcher) -> None:
+        for each in [*batch, single]:
+            dispatcher.park(each)
+        with anyio.fail_after(5):
+            for each in [*batch, single]:
+                await each.done.wait()
+        assert store.batches == [3]
+        assert all(each.state is WaiterState.FAILED for each in [*batch, single])
+        assert [each.error.code for each in [*batch, single] if each.error] == [
+            "database-unavailable"
+        ] * 4
+
+        store.failure = RuntimeError("not ours")
+        unnamed = [waiter("linux") for _ in range(2)]
+        for each in unnamed:
+            dispatcher.park(each)
+        with anyio.fail_after(5):
+            for each in unnamed:
+                await each.done.wait()
+        assert [each.error.code for each in unnamed if each.error] == ["unavailable"] * 2
 
     await _run(store, body)
