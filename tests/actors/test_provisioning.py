@@ -186,6 +186,12 @@ LIMITS = Limits(
     activation_timeout=timedelta(seconds=300),
     covering_window=timedelta(seconds=120),
     tick_seconds=TICK,
+    reservation_ttl_seconds=60,
+    reservation_ttl_max_seconds=3600,
+    bootstrap_ttl=timedelta(minutes=10),
+    reconcile_grace=timedelta(minutes=5),
+    ephemeral_ttl=timedelta(minutes=10),
+    reserved_labels=(),
 )
 
 

@@ -72,12 +72,12 @@ class Limits:
     activation_timeout: timedelta
     covering_window: timedelta
     tick_seconds: float
-    reservation_ttl_seconds: int = 600
-    reservation_ttl_max_seconds: int = 3600
-    bootstrap_ttl: timedelta = timedelta(minutes=10)
-    reconcile_grace: timedelta = timedelta(minutes=5)
-    ephemeral_ttl: timedelta = timedelta(minutes=10)
-    reserved_labels: LabelSet = ()
+    reservation_ttl_seconds: int  # a launch grant's lifetime when the advertisement names none
+    reservation_ttl_max_seconds: int
+    bootstrap_ttl: timedelta
+    reconcile_grace: timedelta
+    ephemeral_ttl: timedelta
+    reserved_labels: LabelSet
 
 
 @dataclass(frozen=True, slots=True)
