@@ -112,3 +112,19 @@ class PayloadTooLarge(ControlPlaneError):
 
 class ShuttingDown(Unavailable):
     code = "shutting-down"
+
+
+# --- provisioning (moved)
+
+
+class Fenced(ControlPlaneError):
+    """A provisioner's control session lost its generation (a takeover, a revocation or the
+    expiry of its token): raised by the fencing lock that opens every transaction run for the
+    session, so the session wrote nothing, and closes with the code its `verdict` names
+    ("superseded", "revoked" or "expired"). It ends a session; no request is answered with it."""
+
+    code = "session-fenced"
+
+    def __init__(self, verdict: str) -> None:
+        super().__init__(f"the control session was {verdict}", verdict=verdict)
+        self.verdict = verdict

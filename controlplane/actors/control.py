@@ -7,11 +7,11 @@ with "<provisioner_id>:<generation>". Every replica's listener hands that payloa
 generation; the web handler then closes it with 4409 (superseded).
 
 A notification can be lost (listener reconnect), so the registry is only the fast path: every
-message that touches the database checks the session's generation in the same statement
-(`WHERE provisioner_id = $1 AND generation = $2`), and a stale one is refused and closed. Today
-the only such message is ping (it stamps `last_seen_at`); every later write must follow the rule.
-
-The statements (take-over and fence) live in store/provisioner_sessions.py.
+message that touches the database checks the session's generation, and a stale one is refused
+and closed. Ping checks it in the statement that stamps `last_seen_at`; every write takes the
+session's fencing row first. Both happen in one place, the session's store
+(store/provisioning.py); the statements (take-over, fence, hold) live in
+store/provisioner_sessions.py.
 """
 
 from __future__ import annotations

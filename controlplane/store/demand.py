@@ -1,5 +1,5 @@
 """Demand allocation over PostgreSQL: advertised templates, one allocation round per workspace,
-the installation walk over workspaces, terminate intents, and reservation cleanup.
+one workspace of an installation walk, terminate intents, and reservation cleanup.
 
 The decisions are `domain.demand.allocate` and `domain.binding.is_bindable`; this module reads
 their inputs under the locks that make them true, and writes their outputs. The lock order of
@@ -11,12 +11,10 @@ before reservation rows), and the reason the two cannot deadlock is in its docst
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from uuid import UUID
-
-import asyncpg
 
 from controlplane.domain.binding import BindTarget, Scope, is_bindable
 from controlplane.domain.demand import (
@@ -33,7 +31,7 @@ from controlplane.domain.demand import (
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.domain.runner_instances import activation_timed_out
 from controlplane.errors import Conflict
-from controlplane.store.pool import Conn, Pool
+from controlplane.store.pool import Conn
 from controlplane.store.reservations import (
     RESERVATION_COLUMNS,
     RUNNER_COLUMNS,
@@ -87,22 +85,6 @@ class WorkspaceRound:
     rebound: int  # of those, runners launched for demand (activation outcome metric)
     terminate_intents: tuple[TerminateIntent, ...] = ()
     terminate_truncated: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class InstallationRound:
-    rounds: tuple[WorkspaceRound, ...]
-    skipped: tuple[UUID, ...]  # workspaces whose lock was busy this round
-    remaining_templates: tuple[Template, ...]
-    remaining_max: int
-
-    @property
-    def grants(self) -> tuple[Grant, ...]:
-        return tuple(g for r in self.rounds for g in r.grants)
-
-    @property
-    def newly_reserved(self) -> int:
-        return sum(r.allocation.newly_reserved for r in self.rounds)
 
 
 class BindingMismatch(Conflict):
@@ -649,89 +631,50 @@ async def demand_workspaces(
     return [r["workspace_id"] for r in rows]
 
 
-async def allocate_installation(
-    pool_or_conn: Pool | Conn,
+async def allocate_in_walk(
+    conn: Conn,
     *,
     provisioner_id: UUID,
+    workspace_id: UUID,
     templates: Sequence[Template],
     max_reservations: int,
     launch_ttl: timedelta,
     activation_grace: timedelta,
     covering_window: timedelta | None,
     activation_timeout: timedelta | None = None,
-    eligible: Collection[UUID] | None = None,
-    fence: Callable[[Conn], Awaitable[None]] | None = None,
-    on_round: Callable[[WorkspaceRound], Awaitable[None]] | None = None,
-) -> InstallationRound:
-    """Spec 3.5: each workspace with pending jobs, oldest demand first, in its own transaction
-    (`allocate_workspace` with a try-lock: a busy workspace is skipped, never waited for),
-    carrying the budget to the next.
+) -> WorkspaceRound | None:
+    """One workspace of an installation provisioner's walk (spec 3.5; the walk itself, oldest
+    demand first and carrying the budget, is the provisioner actor's): `allocate_workspace`
+    with a try-lock, so a busy workspace is skipped (None), never waited for.
+    `max_reservations` is what is left of the walk's budget.
 
-    The slots offered to a workspace are the advertised ones minus this provisioner's launch
-    units still to be launched in every *other* workspace, read fresh in that workspace's
-    transaction (allocation itself charges the ones of the workspace it serves): grants made
-    earlier in the walk, and those of a workspace skipped as busy, hold their slots. The
-    reference carried only this walk's launch grants, which let a skipped workspace's slots be
-    granted again elsewhere. Bound runners take no slot (they already run).
+    The slots offered are the advertised ones minus this provisioner's launch units still to be
+    launched in every *other* workspace, read fresh in this transaction (allocation itself
+    charges the ones of the workspace it serves): grants made earlier in the walk, and those of
+    a workspace skipped as busy, hold their slots. The reference carried only the walk's launch
+    grants, which let a skipped workspace's slots be granted again elsewhere. Bound runners take
+    no slot (they already run).
 
-    `fence`, when given, runs first in each workspace's transaction (a control session's fencing
-    lock, which raises when the session lost its generation). `on_round` sees each committed
-    round before the next starts, so a caller cancelled mid-walk has heard of every grant it must
-    give back.
-
-    Locks: per workspace, the fence's, then those of `allocate_workspace`; no lock is held across
-    workspaces.
+    Locks: runs in the caller's transaction, after the session's fencing row
+    (store/provisioning.py opens it), then those of `allocate_workspace`; a walk holds no lock
+    from one workspace to the next.
     """
-    if isinstance(pool_or_conn, asyncpg.Pool):
-        async with pool_or_conn.acquire() as borrowed:
-            return await allocate_installation(
-                borrowed,
-                provisioner_id=provisioner_id,
-                templates=templates,
-                max_reservations=max_reservations,
-                launch_ttl=launch_ttl,
-                activation_grace=activation_grace,
-                covering_window=covering_window,
-                activation_timeout=activation_timeout,
-                eligible=eligible,
-                fence=fence,
-                on_round=on_round,
-            )
-    conn: Conn = pool_or_conn
     advertised = tuple(replace(t, labels=canonicalise(t.labels)) for t in templates)
-    remaining_max = max_reservations
-    rounds: list[WorkspaceRound] = []
-    skipped: list[UUID] = []
-    for workspace_id in await demand_workspaces(conn, eligible):
-        if remaining_max <= 0:
-            break
-        async with conn.transaction():
-            if fence is not None:
-                await fence(conn)
-            pending = await outstanding_grants(conn, provisioner_id)
-            elsewhere = [(r, n) for r, n in pending if r.workspace_id != workspace_id]
-            result = await allocate_workspace(
-                conn,
-                provisioner_id=provisioner_id,
-                scope=Scope.INSTALLATION,
-                workspace_id=workspace_id,
-                templates=without_pending(advertised, elsewhere),
-                max_reservations=remaining_max,
-                launch_ttl=launch_ttl,
-                activation_grace=activation_grace,
-                covering_window=covering_window,
-                try_lock=True,
-                activation_timeout=activation_timeout,
-            )
-        if result is None:
-            skipped.append(workspace_id)
-            continue
-        rounds.append(result)
-        remaining_max = result.allocation.remaining_max
-        if on_round is not None:
-            await on_round(result)
-    remaining = without_pending(advertised, await outstanding_grants(conn, provisioner_id))
-    return InstallationRound(tuple(rounds), tuple(skipped), remaining, remaining_max)
+    pending = await outstanding_grants(conn, provisioner_id)
+    elsewhere = [(r, n) for r, n in pending if r.workspace_id != workspace_id]
+    return await allocate_workspace(
+        conn,
+        provisioner_id=provisioner_id,
+        scope=Scope.INSTALLATION,
+        workspace_id=workspace_id,
+        templates=without_pending(advertised, elsewhere),
+        max_reservations=max_reservations,
+        launch_ttl=launch_ttl,
+        activation_grace=activation_grace,
+        covering_window=covering_window,
+        try_lock=True,
+        activation_timeout=activation_timeout,
+    )
 
 
 # --- reservation cleanup -----------------------------------------------------------------------

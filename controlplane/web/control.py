@@ -22,12 +22,10 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from controlplane.actors.control import LocalSession
-from controlplane.actors.provisioning import Fenced, Limits, ProvisionerActor
-from controlplane.domain.demand import Reservation
-from controlplane.errors import ControlPlaneError, InvalidInput, Unauthorized, Unavailable
-from controlplane.store import provisioner_sessions, reservations
-from controlplane.store.provisioner_sessions import Fence
+from controlplane.actors.provisioning import DemandPush, Limits, ProvisionerActor
+from controlplane.errors import ControlPlaneError, Fenced, InvalidInput, Unauthorized, Unavailable
 from controlplane.store.provisioners import Provisioner
+from controlplane.store.provisioning import open_session
 from controlplane.web import auth, edge
 from controlplane.web import control_requests as handlers
 from controlplane.web.errors import DATABASE_FAULTS
@@ -64,10 +62,10 @@ UNSUPPORTED_VERSION = 4426
 FORBIDDEN = 4406
 
 _AUTH_CLOSE = {"provisioner-token-revoked": REVOKED, "provisioner-token-expired": EXPIRED}
-_FENCE_CLOSE = {
-    Fence.SUPERSEDED: (SUPERSEDED, "superseded"),
-    Fence.REVOKED: (REVOKED, "provisioner-token-revoked"),
-    Fence.EXPIRED: (EXPIRED, "provisioner-token-expired"),
+_FENCE_CLOSE = {  # errors.Fenced.verdict -> close
+    "superseded": (SUPERSEDED, "superseded"),
+    "revoked": (REVOKED, "provisioner-token-revoked"),
+    "expired": (EXPIRED, "provisioner-token-expired"),
 }
 
 
@@ -149,17 +147,12 @@ async def _converse(websocket: WebSocket, svc: Services, found: Provisioner) -> 
     # Only a newer generation cancels the scope: a takeover, or a revocation of the token.
     local = conversation.local
     if local is not None and local.superseded:
-        async with svc.pool.acquire() as conn:
-            verdict = await provisioner_sessions.fence(conn, found.id, local.generation)
+        why = await conversation.why_superseded()
         log.info(
             "control.session_superseded",
-            extra={
-                "provisioner_id": str(found.id),
-                "generation": local.generation,
-                "why": verdict.value,
-            },
+            extra={"provisioner_id": str(found.id), "generation": local.generation, "why": why},
         )
-        return Close(*_FENCE_CLOSE.get(verdict, (SUPERSEDED, "superseded")))
+        return Close(*_FENCE_CLOSE.get(why, (SUPERSEDED, "superseded")))
     return Close(GOING_AWAY, "going away")
 
 
@@ -193,6 +186,20 @@ class _Conversation:
     async def send(self, message: wire.ServerMessage) -> None:
         async with self._send_lock:
             await self.websocket.send_text(wire.encode_server(message))
+
+    async def push(self, demand: DemandPush) -> None:
+        await self.send(handlers.demand(demand))
+
+    async def why_superseded(self) -> str:
+        """The fence's verdict on a session cancelled by a newer generation ("current" when the
+        session still holds its generation after all)."""
+        if self.actor is None:
+            return "superseded"
+        try:
+            await self.actor.ping()
+        except Fenced as error:
+            return error.verdict
+        return "current"
 
     async def read(self) -> Close | None:
         registry = self.svc.control
@@ -251,16 +258,16 @@ class _Conversation:
         if found.scope == "installation" and not svc.settings.provisioners.installation_enabled:
             return Close(FORBIDDEN, "forbidden: installation provisioning is disabled")
         session_id = uuid.uuid4()
-        async with svc.pool.acquire() as conn:
-            generation = await provisioner_sessions.take_over(conn, found.id, session_id)
-            outstanding = (
-                [] if generation is None else await reservations.outstanding_grants(conn, found.id)
-            )
-        if generation is None:
+        store = await open_session(svc.pool, found, session_id)
+        if store is None:
             return Close(REVOKED, "provisioner-token-revoked")
+        generation = store.generation
+        actor = ProvisionerActor(store, found, _limits(svc), self.push, clock=lambda: svc.clock())
+        outstanding = await actor.outstanding()
         assert self.scope is not None
         assert self.tasks is not None
         self.local = LocalSession(found.id, session_id, generation, self.scope)
+        self.actor = actor
         svc.control.register(self.local)
         log.info(
             "control.session_started",
@@ -272,12 +279,11 @@ class _Conversation:
                 generation=generation,
                 request_id=hello.request_id,
                 idle_timeout_seconds=svc.control.idle_seconds,
-                outstanding=[_grant(r, pending) for r, pending in outstanding],
+                outstanding=[handlers.grant(g) for g in outstanding],
             )
         )
-        self.actor = ProvisionerActor(svc.pool, found, generation, _limits(svc), self.send)
-        svc.demand.add(self.actor)
-        self.tasks.start_soon(self._run_actor, self.actor)
+        svc.demand.add(actor)
+        self.tasks.start_soon(self._run_actor, actor)
         return None
 
     async def _run_actor(self, actor: ProvisionerActor) -> None:
@@ -298,22 +304,13 @@ class _Conversation:
 
     async def _request(self, message: wire.ClientMessage) -> None:
         """Answer one request. Each write runs in one transaction whose first lock is the
-        session's fencing row; a refused request changes nothing and leaves the session open."""
-        assert self.local is not None
+        session's fencing row; a refused request changes nothing and leaves the session open.
+        A fenced session (`Fenced`) or an unavailable database ends it instead."""
         assert self.actor is not None
-        if isinstance(message, wire.Ping):
-            async with self.svc.pool.acquire() as conn:
-                verdict = await provisioner_sessions.fence(
-                    conn, self.found.id, self.local.generation
-                )
-            if verdict is not Fence.CURRENT:
-                raise Fenced(verdict)
-            await self.send(wire.Pong(request_id=message.request_id))
-            return
         try:
-            answer = await handlers.handle(self.svc, self.found, self.local, self.actor, message)
+            answer = await handlers.handle(self.actor, message)
         except ControlPlaneError as error:
-            if isinstance(error, Unavailable):
+            if isinstance(error, Fenced | Unavailable):
                 raise
             answer = wire.Error(
                 request_id=message.request_id, code=error.code, message=error.message
@@ -328,21 +325,13 @@ def _limits(svc: Services) -> Limits:
         activation_timeout=timedelta(seconds=knobs.demand_activation_timeout_seconds),
         covering_window=timedelta(seconds=knobs.active_window_seconds),
         tick_seconds=knobs.demand_safety_tick_seconds,
+        reservation_ttl_seconds=knobs.reservation_ttl_seconds,
+        reservation_ttl_max_seconds=knobs.reservation_ttl_max_seconds,
+        bootstrap_ttl=timedelta(seconds=knobs.bootstrap_token_ttl_seconds),
+        reconcile_grace=timedelta(seconds=knobs.reconcile_terminate_grace_seconds),
+        ephemeral_ttl=timedelta(seconds=knobs.ephemeral_token_ttl_seconds),
+        reserved_labels=svc.reserved_labels,
     )
-
-
-def _grant(reservation: Reservation, pending: int) -> wire.Grant:
-    return wire.Grant(
-        reservation_id=reservation.id,
-        workspace_id=reservation.workspace_id,
-        labels=list(reservation.labels),
-        count=pending,
-        expires_at=reservation.expires_at,
-    )
-
-
-async def _send(websocket: WebSocket, message: wire.ServerMessage) -> None:
-    await websocket.send_text(wire.encode_server(message))
 
 
 routes = [WebSocketRoute("/v1/provisioners/session", session)]

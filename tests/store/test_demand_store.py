@@ -8,7 +8,7 @@ tests/domain/test_demand.py, these pin what the store reads and writes around th
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -17,14 +17,16 @@ import anyio
 import asyncpg
 import pytest
 
+from controlplane.actors.provisioning.rounds import RoundOutcome, installation_walk
 from controlplane.domain import tokens
 from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template
 from controlplane.domain.labels import LabelSet
-from controlplane.store import demand, locks
+from controlplane.store import demand, locks, provisioner_sessions
 from controlplane.store.demand import TerminateIntent, TerminateReason, WorkspaceRound
 from controlplane.store.pool import Conn
 from controlplane.store.provisioners import Provisioner
+from controlplane.store.provisioning import RoundTerms, SessionStore
 from tests import provisioning as rows
 from tests.factories import holding, holding_lock, wait_until_blocked
 
@@ -638,30 +640,85 @@ async def _older_demand(conn: Conn, labels: LabelSet, count: int) -> UUID:
     return workspace_id
 
 
+class WalkStore(SessionStore):
+    """The session's store, the walk limited to `eligible` workspaces (None: all) and stopped
+    by `Aborted` when it asks for workspace number `abort_at` (the caller going away)."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        provisioner: Provisioner,
+        generation: int,
+        eligible: Collection[UUID] | None,
+        abort_at: int | None,
+    ) -> None:
+        super().__init__(pool, provisioner, generation)
+        self.eligible = eligible
+        self.abort_at = abort_at
+        self.asked = 0
+
+    async def demand_workspaces(self) -> list[UUID]:
+        async with self.pool.acquire() as conn:
+            return await demand.demand_workspaces(conn, self.eligible)
+
+    async def allocate_in_walk(
+        self, workspace_id: UUID, terms: RoundTerms
+    ) -> WorkspaceRound | None:
+        self.asked += 1
+        if self.asked == self.abort_at:
+            raise Aborted
+        return await super().allocate_in_walk(workspace_id, terms)
+
+
+class Aborted(Exception):
+    """The caller going away (a closed socket) between two workspaces."""
+
+
 async def install(
-    conn: Conn, inst: Provisioner, *, slots: int, max_reservations: int = 100, **kw: Any
-) -> demand.InstallationRound:
-    return await demand.allocate_installation(
-        conn,
-        provisioner_id=inst.id,
+    pool: asyncpg.Pool,
+    inst: Provisioner,
+    *,
+    slots: int,
+    max_reservations: int = 100,
+    launch_ttl: timedelta = TTL,
+    covering_window: timedelta | None = HOUR,
+    eligible: Collection[UUID] | None = None,
+    abort_at: int | None = None,
+    outcome: RoundOutcome | None = None,
+) -> RoundOutcome:
+    """The provisioner actor's installation walk, through its session's real store."""
+    async with pool.acquire() as conn:
+        generation = await provisioner_sessions.take_over(conn, inst.id, uuid.uuid4())
+    assert generation is not None
+    store = WalkStore(pool, inst, generation, eligible, abort_at)
+    terms = RoundTerms(
         templates=(template(slots),),
         max_reservations=max_reservations,
-        launch_ttl=TTL,
+        launch_ttl=launch_ttl,
         activation_grace=TTL,
-        covering_window=HOUR,
-        **kw,
+        activation_timeout=None,
+        covering_window=covering_window,
     )
+    if outcome is None:
+        outcome = RoundOutcome(remaining=terms.templates)
+    await installation_walk(store, terms, outcome)
+    return outcome
 
 
 @pytest.mark.parametrize(("max_reservations", "slots", "launch"), [(5, 2, 2), (2, 5, 1)])
 async def test_p35_bound_units_take_budget_but_no_template_slot(
-    conn: Conn, inst: Provisioner, max_reservations: int, slots: int, launch: int
+    conn: Conn,
+    pool: asyncpg.Pool,
+    inst: Provisioner,
+    max_reservations: int,
+    slots: int,
+    launch: int,
 ) -> None:
     first = await _older_demand(conn, LINUX, 1)
     second = await _older_demand(conn, LINUX, 9)
     await runner(conn, inst.id)
 
-    result = await install(conn, inst, slots=slots, max_reservations=max_reservations)
+    result = await install(pool, inst, slots=slots, max_reservations=max_reservations)
 
     assert [(r.workspace_id, r.bound, launched(r)) for r in result.rounds] == [
         (first, 1, []),
@@ -671,22 +728,22 @@ async def test_p35_bound_units_take_budget_but_no_template_slot(
 
 
 async def test_p36_workspaces_are_served_oldest_demand_first_without_overselling_slots(
-    conn: Conn, inst: Provisioner
+    conn: Conn, pool: asyncpg.Pool, inst: Provisioner
 ) -> None:
     oldest = await _older_demand(conn, LINUX, 3)
     younger = await _older_demand(conn, LINUX, 3)
     youngest = await _older_demand(conn, LINUX, 3)
 
-    result = await install(conn, inst, slots=4, eligible={younger, oldest})
+    result = await install(pool, inst, slots=4, eligible={younger, oldest})
 
     assert [(g.workspace_id, g.count) for g in result.grants] == [(oldest, 3), (younger, 1)]
-    assert result.remaining_templates[0].available_slots == 0
+    assert result.remaining[0].available_slots == 0
     assert await stored(conn, youngest) == []
     assert [s.labels for r in result.rounds for s in r.allocation.stats] == [LINUX, LINUX]
 
 
 async def test_p37_an_adopted_installation_runner_leaves_slots_for_the_next_workspace(
-    conn: Conn, inst: Provisioner
+    conn: Conn, pool: asyncpg.Pool, inst: Provisioner
 ) -> None:
     first = await _older_demand(conn, LINUX, 1)
     second = await _older_demand(conn, LINUX, 5)
@@ -694,57 +751,45 @@ async def test_p37_an_adopted_installation_runner_leaves_slots_for_the_next_work
         conn, inst.id, workspace_id=second, reservation_id=uuid.uuid4(), assigned=True
     )
 
-    result = await install(conn, inst, slots=2)
+    result = await install(pool, inst, slots=2)
 
     assert (await runner_row(conn, stranded))["workspace_id"] == first
     assert [(g.workspace_id, g.count) for g in result.grants] == [(second, 2)]
 
 
-class Aborted(Exception):
-    """The caller going away (a closed socket) between two workspaces."""
-
-
-async def test_p38_committed_rounds_are_reported_before_an_abort_stops_the_walk(
-    conn: Conn, inst: Provisioner
+async def test_p38_committed_rounds_are_recorded_before_an_abort_stops_the_walk(
+    conn: Conn, pool: asyncpg.Pool, inst: Provisioner
 ) -> None:
     first = await _older_demand(conn, LINUX, 2)
     second = await _older_demand(conn, LINUX, 2)
-    seen: list[WorkspaceRound] = []
-
-    async def on_round(result: WorkspaceRound) -> None:
-        seen.append(result)
-        raise Aborted
+    seen = RoundOutcome(remaining=())
 
     with pytest.raises(Aborted):
-        await install(conn, inst, slots=10, on_round=on_round)
+        await install(pool, inst, slots=10, abort_at=2, outcome=seen)
 
-    assert [(g.workspace_id, g.count) for r in seen for g in r.grants] == [(first, 2)]
+    assert [(g.workspace_id, g.count) for g in seen.grants] == [(first, 2)]
     assert await stored(conn, first) == [("launch", LINUX, 2)]
     assert await stored(conn, second) == []
 
 
-async def test_p40_no_eligible_workspace_returns_nothing(conn: Conn, inst: Provisioner) -> None:
+async def test_p40_no_eligible_workspace_returns_nothing(
+    conn: Conn, pool: asyncpg.Pool, inst: Provisioner
+) -> None:
     await _older_demand(conn, LINUX, 2)
 
-    result = await install(conn, inst, slots=10, eligible=set())
+    result = await install(pool, inst, slots=10, eligible=set())
 
-    assert (result.rounds, result.grants, result.skipped) == ((), (), ())
+    assert (result.rounds, result.grants, result.skipped) == ([], [], [])
     assert await conn.fetchval("SELECT count(*) FROM reservations") == 0
 
 
 async def test_p42_installation_grants_carry_the_lifetime_they_were_given(
-    conn: Conn, inst: Provisioner
+    conn: Conn, pool: asyncpg.Pool, inst: Provisioner
 ) -> None:
     """The clamp itself (601 -> 600) is `domain.demand.reservation_ttl`; the store writes it."""
     await _older_demand(conn, LINUX, 1)
-    result = await demand.allocate_installation(
-        conn,
-        provisioner_id=inst.id,
-        templates=(template(),),
-        max_reservations=10,
-        launch_ttl=timedelta(seconds=600),
-        activation_grace=TTL,
-        covering_window=None,
+    result = await install(
+        pool, inst, slots=10, launch_ttl=timedelta(seconds=600), covering_window=None
     )
     [grant] = result.grants
     created = await conn.fetchval(
@@ -790,7 +835,7 @@ async def test_p43_a_revoked_or_quiet_workspace_provisioner_covers_nothing(
 
 
 async def test_p44_a_busy_workspace_is_skipped_not_waited_on(
-    conn: Conn, database_url: str, inst: Provisioner
+    conn: Conn, pool: asyncpg.Pool, database_url: str, inst: Provisioner
 ) -> None:
     busy = await _older_demand(conn, LINUX, 2)
     free = await _older_demand(conn, LINUX, 2)
@@ -808,10 +853,10 @@ async def test_p44_a_busy_workspace_is_skipped_not_waited_on(
                 activation_grace=TTL,
                 try_lock=True,
             )
-            walk = await install(conn, inst, slots=10)
+            walk = await install(pool, inst, slots=10)
 
     assert single is None
-    assert walk.skipped == (busy,)
+    assert walk.skipped == [busy]
     assert [(g.workspace_id, g.count) for g in walk.grants] == [(free, 2)]
     assert await stored(conn, busy) == []
 

@@ -1,0 +1,374 @@
+"""The provisioner actor: one per live control session, on the replica holding its WebSocket.
+
+It answers every request of its session (advertise, create, attach, assign, report, reconcile,
+mint, ping) through the session's `ProvisioningStore`, whose every write holds the session's
+fencing row first, and returns domain values; the web layer decodes the requests and encodes
+the answers. It owns the provisioner's current advertisement (templates, max reservations,
+launch TTL) and runs allocation rounds (rounds.py) in its own task, one at a time, so the
+rounds of one provisioner never interleave. A round runs when:
+
+* the provisioner advertises (always followed by a `demand` push);
+* a job is enqueued in a workspace it serves (NOTIFY `cp_enqueued`, via `DemandBoard`);
+* it reported or reconciled runners, which may have released units;
+* the safety tick passes (`provisioners.demand_safety_tick_seconds`): reservations expire and
+  notifications can be lost, and both only show on a re-read.
+
+After a round the actor pushes demand (`send`) when it has something new to say: grants, warm
+launches, terminate intents that changed, or demand figures that changed. If the push fails
+(the socket is gone), the grants it carried are deleted again, so demand no provisioner heard of
+is not held for a reservation lifetime. Grants that were delivered stay until they are used or
+expire; a provisioner that reconnects finds them in `welcome.outstanding` (`outstanding`).
+
+A session that lost its generation raises `errors.Fenced`, from a request or from a round; the
+round loop then ends, and the session closes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from uuid import UUID
+
+import anyio
+
+from controlplane import metrics
+from controlplane.actors.provisioning.rounds import (
+    ProvisioningStore,
+    RoundOutcome,
+    WorkspaceDemand,
+    grant_of,
+    installation_walk,
+    workspace_round,
+)
+from controlplane.domain.binding import Scope
+from controlplane.domain.demand import Template, WarmLaunch, reservation_ttl, warm_pool_launches
+from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
+from controlplane.errors import Fenced, InvalidInput
+from controlplane.store.demand import Grant
+from controlplane.store.ephemeral import MintedToken
+from controlplane.store.provisioners import Provisioner
+from controlplane.store.provisioning import RoundTerms
+from controlplane.store.runner_instances import PROMOTION_FAILURES, Batch, RunnerNotAssignable
+from controlplane.store.runner_reports import ReconcileOutcome, ReportOutcome, RunnerEvent
+
+log = logging.getLogger("controlplane.provisioning")
+minted_log = logging.getLogger("controlplane.ephemeral")
+
+
+@dataclass(frozen=True, slots=True)
+class Advertisement:
+    templates: tuple[Template, ...]
+    max_reservations: int
+    launch_ttl: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The session's settings (`provisioners.*`), read once when it opens."""
+
+    activation_grace: timedelta
+    activation_timeout: timedelta
+    covering_window: timedelta
+    tick_seconds: float
+    reservation_ttl_seconds: int  # a launch grant's lifetime when the advertisement names none
+    reservation_ttl_max_seconds: int
+    bootstrap_ttl: timedelta
+    reconcile_grace: timedelta
+    ephemeral_ttl: timedelta
+    reserved_labels: LabelSet
+
+
+@dataclass(frozen=True, slots=True)
+class DemandPush:
+    """One `demand` message: what a round has to tell the provisioner."""
+
+    seq: int
+    stats: list[WorkspaceDemand]
+    grants: list[Grant]
+    warm: list[WarmLaunch]
+    newly_reserved: int
+    terminate: list[str]  # provider runner ids, sorted
+
+
+Send = Callable[[DemandPush], Awaitable[None]]
+
+
+def advertised_templates(
+    provisioner: Provisioner, ads: Sequence[Template], reserved_labels: LabelSet
+) -> tuple[Template, ...]:
+    """Canonical templates. A workspace provisioner's reserved labels are stripped (spec 3.1);
+    a template left with no label is dropped. Template keys must be unique."""
+    keys = [ad.key for ad in ads]
+    if len(set(keys)) != len(keys):
+        raise InvalidInput("template_key must be unique within an advertisement")
+    templates = []
+    for ad in ads:
+        labels = canonicalise(ad.labels)
+        if provisioner.scope == "workspace":
+            labels = strip_reserved(labels, reserved_labels)
+        if labels:
+            templates.append(replace(ad, labels=labels))
+    return tuple(templates)
+
+
+class ProvisionerActor:
+    def __init__(
+        self,
+        store: ProvisioningStore,
+        provisioner: Provisioner,
+        limits: Limits,
+        send: Send,
+        clock: Callable[[], datetime],
+    ) -> None:
+        self.store = store
+        self.provisioner = provisioner
+        self.limits = limits
+        self._send = send
+        self._clock = clock
+        self._advertisement: Advertisement | None = None
+        self._fresh_advertisement = False
+        self._wake = anyio.Event()
+        self._seq = 0
+        self._last_stats: list[WorkspaceDemand] | None = None
+        self._last_terminate: list[str] = []
+        # Warm launches pushed whose instances have not been created yet, per template, with
+        # the time they stop counting (the provisioner may have ignored them).
+        self._warm_pending: dict[str, list[float]] = {}
+
+    @property
+    def scope(self) -> Scope:
+        return Scope(self.provisioner.scope)
+
+    def serves(self, workspace_id: UUID) -> bool:
+        return self.scope is Scope.INSTALLATION or self.provisioner.workspace_id == workspace_id
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # --- requests ------------------------------------------------------------------------------
+
+    async def ping(self) -> None:
+        """Stamp the session's last-seen; raises Fenced when it lost its generation."""
+        await self.store.ping()
+
+    async def outstanding(self) -> list[Grant]:
+        """The launch units granted earlier and not launched yet (`welcome.outstanding`)."""
+        return [grant_of(r, pending) for r, pending in await self.store.outstanding_grants()]
+
+    async def advertise(
+        self, ads: Sequence[Template], max_reservations: int, reservation_ttl_seconds: int | None
+    ) -> int:
+        """Store the templates and run a round; the number of templates kept."""
+        templates = advertised_templates(self.provisioner, ads, self.limits.reserved_labels)
+        await self.store.replace_templates(templates)
+        ttl = reservation_ttl(
+            reservation_ttl_seconds,
+            default_seconds=self.limits.reservation_ttl_seconds,
+            ceiling_seconds=self.limits.reservation_ttl_max_seconds,
+        )
+        self._advertisement = Advertisement(templates, max_reservations, ttl)
+        self._fresh_advertisement = True
+        self.wake()
+        return len(templates)
+
+    async def create_instances(
+        self, provider_kind: str | None, entries: Sequence[tuple[str | None, UUID | None]]
+    ) -> Batch:
+        """Create instances for (template key, reservation id) entries; warm ones (no
+        reservation) take the place of pushed warm launches."""
+        batch = await self.store.create_instances(provider_kind, entries, self.limits.bootstrap_ttl)
+        for reason, units in batch.capacity_failures.items():
+            metrics.capacity_failures.labels(reason).inc(units)
+        self._warm_created(
+            entries[c.request_index][0]
+            for c in batch.instances
+            if entries[c.request_index][1] is None
+        )
+        return batch
+
+    async def attach_provider(self, runner_instance_id: UUID, provider_runner_id: str) -> bool:
+        return await self.store.attach_provider(runner_instance_id, provider_runner_id)
+
+    async def assign(self, reservation_id: UUID, runner_instance_ids: Sequence[UUID]) -> list[UUID]:
+        if len(set(runner_instance_ids)) != len(runner_instance_ids):
+            raise InvalidInput("runner_instance_ids must be unique")
+        try:
+            return await self.store.assign(reservation_id, runner_instance_ids)
+        except PROMOTION_FAILURES as error:
+            reason = error.reason if isinstance(error, RunnerNotAssignable) else error.code
+            metrics.assignments_rejected.labels(reason, "provisioner").inc()
+            raise
+
+    async def report(self, events: Sequence[RunnerEvent]) -> ReportOutcome:
+        received_at = self._clock()
+        outcome = await self.store.report(
+            events,
+            received_at=received_at,
+            reserved_labels=self.limits.reserved_labels,
+            activation_timeout=self.limits.activation_timeout,
+        )
+        for event in events:
+            metrics.runner_reports.labels(event.state.value).inc()
+        metrics.units_released.labels("report").inc(outcome.reservations_released)
+        for honored in outcome.terminate_intents_honored:
+            metrics.terminate_intents_honored.labels(honored.reason).inc()
+        self.wake()  # released units are demand again
+        return outcome
+
+    async def reconcile(self, observed: Sequence[str]) -> ReconcileOutcome:
+        if len(set(observed)) != len(observed):
+            raise InvalidInput("observed_provider_runner_ids must be unique")
+        result = await self.store.reconcile(observed, grace=self.limits.reconcile_grace)
+        metrics.reconciles.inc()
+        metrics.absent_terminated.inc(len(result.terminated_absent_provider_runner_ids))
+        metrics.units_released.labels("reconcile").inc(result.reservations_released)
+        for runner in result.runners:
+            if runner.desired_intent == "terminate":
+                reason = runner.intent_reason or "unknown"
+                metrics.terminate_intents_issued.labels("reconcile", reason).inc()
+        self.wake()
+        return result
+
+    async def mint(
+        self, provider_runner_ids: Sequence[str], reservation_id: UUID | None
+    ) -> list[MintedToken]:
+        """Ephemeral registration tokens, one per provider runner id, all or none. Refusals
+        (nothing minted): `validation-error` (duplicate ids; an installation provisioner
+        without `reservation_id`), `reservation-not-found`, `reservation-expired`,
+        `reservation-capacity-exhausted`, `ephemeral-token-active`."""
+        if len(set(provider_runner_ids)) != len(provider_runner_ids):
+            raise InvalidInput("provider_runner_ids must be unique")
+        if reservation_id is None and self.provisioner.workspace_id is None:
+            raise InvalidInput("an installation provisioner must name the reservation_id")
+        minted = await self.store.mint(
+            provider_runner_ids, reservation_id, self.limits.ephemeral_ttl
+        )
+        minted_log.info(
+            "ephemeral.minted",
+            extra={
+                "provisioner_id": str(self.provisioner.id),
+                "reservation_id": None if reservation_id is None else str(reservation_id),
+                "count": len(minted),
+            },
+        )
+        return minted
+
+    def _warm_created(self, template_keys: Iterable[str | None]) -> None:
+        """Instances created without a reservation take the place of pushed warm launches."""
+        for key in template_keys:
+            pending = self._warm_pending.get(key or "")
+            if pending:
+                pending.pop(0)
+
+    # --- rounds --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Rounds until cancelled; raises Fenced when the session lost its generation."""
+        with metrics.control_sessions.track_inprogress():
+            while True:
+                with anyio.move_on_after(self.limits.tick_seconds):
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+                advertisement = self._advertisement
+                if advertisement is None:
+                    continue
+                fresh, self._fresh_advertisement = self._fresh_advertisement, False
+                outcome = await self._measured_round(advertisement)
+                await self._maybe_push(outcome, advertisement, force=fresh)
+
+    async def _measured_round(self, advertisement: Advertisement) -> RoundOutcome:
+        started = anyio.current_time()
+        try:
+            outcome = await self._round(advertisement)
+        except Fenced:
+            metrics.allocation_rounds.labels("fenced").inc()
+            raise
+        except Exception:
+            metrics.allocation_rounds.labels("error").inc()
+            raise
+        metrics.allocation_rounds.labels("ok").inc()
+        metrics.allocation_seconds.observe(anyio.current_time() - started)
+        return outcome
+
+    async def _round(self, advertisement: Advertisement) -> RoundOutcome:
+        terms = RoundTerms(
+            templates=advertisement.templates,
+            max_reservations=advertisement.max_reservations,
+            launch_ttl=advertisement.launch_ttl,
+            activation_grace=self.limits.activation_grace,
+            activation_timeout=self.limits.activation_timeout,
+            covering_window=self.limits.covering_window,
+        )
+        if self.scope is Scope.WORKSPACE:
+            assert self.provisioner.workspace_id is not None
+            return await workspace_round(self.store, self.provisioner.workspace_id, terms)
+        outcome = RoundOutcome(remaining=advertisement.templates)
+        await installation_walk(self.store, terms, outcome)
+        return outcome
+
+    async def _warm(self, advertisement: Advertisement, outcome: RoundOutcome) -> list[WarmLaunch]:
+        if not any(t.idle_target for t in advertisement.templates):
+            return []
+        now_mono = anyio.current_time()
+        for key, deadlines in list(self._warm_pending.items()):
+            self._warm_pending[key] = [d for d in deadlines if d > now_mono]
+        runners, live, now = await self.store.idle_candidates()
+        launches = warm_pool_launches(
+            outcome.remaining,
+            runners,
+            live=live,
+            now=now,
+            just_bound=outcome.bound_ids,
+            unacknowledged={k: len(v) for k, v in self._warm_pending.items()},
+        )
+        expiry = now_mono + advertisement.launch_ttl.total_seconds()
+        for launch in launches:
+            self._warm_pending.setdefault(launch.template_key, []).extend([expiry] * launch.count)
+        return list(launches)
+
+    async def _maybe_push(
+        self, outcome: RoundOutcome, advertisement: Advertisement, *, force: bool
+    ) -> None:
+        warm = await self._warm(advertisement, outcome)
+        terminate = sorted(set(outcome.terminate))
+        stats, grants = outcome.stats, outcome.grants
+        changed = (
+            force
+            or grants
+            or warm
+            or outcome.newly_reserved
+            or terminate != self._last_terminate
+            or stats != self._last_stats
+        )
+        if not changed:
+            return
+        self._seq += 1
+        message = DemandPush(self._seq, stats, grants, warm, outcome.newly_reserved, terminate)
+        try:
+            await self._send(message)
+        except BaseException:
+            metrics.demand_pushes.labels("failed").inc()
+            # Never delivered: give the demand back rather than hold it for a lifetime.
+            if grants:
+                with anyio.CancelScope(shield=True):
+                    await self._forget([g.reservation_id for g in grants])
+            raise
+        metrics.demand_pushes.labels("sent").inc()
+        reasons = outcome.intent_reasons
+        for runner_id in set(terminate) - set(self._last_terminate):
+            metrics.terminate_intents_issued.labels(
+                "demand", reasons.get(runner_id, "unknown")
+            ).inc()
+        self._last_stats = stats
+        self._last_terminate = terminate
+
+    async def _forget(self, reservation_ids: list[UUID]) -> None:
+        try:
+            await self.store.delete_reservations(reservation_ids)
+        except Exception:
+            log.exception(
+                "provisioning.grant_release_failed",
+                extra={"provisioner_id": str(self.provisioner.id), "count": len(reservation_ids)},
+            )

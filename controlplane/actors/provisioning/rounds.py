@@ -1,0 +1,188 @@
+"""Allocation rounds of one provisioner, through its session's `ProvisioningStore`.
+
+A workspace provisioner's round is one transaction for its workspace. An installation
+provisioner's round is a walk: the workspaces with demand, oldest first, one transaction each
+(`ProvisioningStore.allocate_in_walk`, a try-lock: a busy workspace waits for the next round),
+carrying its budget from one workspace to the next; its slots for each workspace are the
+advertised ones minus its launch units still pending in every other workspace, read fresh in
+that workspace's transaction (so a busy, skipped workspace still holds what it was granted).
+Each committed workspace is recorded in the `RoundOutcome` before the next one starts, so a walk
+stopped half-way (a fenced session, a database fault) has recorded every grant it made.
+
+Every transaction the store runs for the session takes the session's fencing row first (its
+implementation, store/provisioning.py, says how); nothing here checks the fence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Protocol
+from uuid import UUID
+
+from controlplane import metrics
+from controlplane.domain.demand import Reservation, Template, without_pending
+from controlplane.domain.labels import LabelSet
+from controlplane.domain.runner_instances import ProvisionedRunner
+from controlplane.store.demand import Grant, TerminateReason, WorkspaceRound
+from controlplane.store.ephemeral import MintedToken
+from controlplane.store.provisioning import RoundTerms
+from controlplane.store.runner_instances import Batch
+from controlplane.store.runner_reports import ReconcileOutcome, ReportOutcome, RunnerEvent
+
+
+class ProvisioningStore(Protocol):
+    """What a provisioner actor asks the database, for its one control session. Every write
+    holds the session's fencing row first and raises `errors.Fenced` when the session lost its
+    generation (nothing was written then)."""
+
+    async def ping(self) -> None: ...
+
+    async def replace_templates(self, templates: Sequence[Template]) -> None: ...
+
+    async def allocate_workspace(self, workspace_id: UUID, terms: RoundTerms) -> WorkspaceRound: ...
+
+    async def demand_workspaces(self) -> list[UUID]: ...
+
+    async def allocate_in_walk(
+        self, workspace_id: UUID, terms: RoundTerms
+    ) -> WorkspaceRound | None: ...
+
+    async def outstanding_grants(self) -> list[tuple[Reservation, int]]: ...
+
+    async def idle_candidates(
+        self,
+    ) -> tuple[list[ProvisionedRunner], frozenset[UUID], datetime]: ...
+
+    async def delete_reservations(self, reservation_ids: Collection[UUID]) -> int: ...
+
+    async def create_instances(
+        self,
+        provider_kind: str | None,
+        entries: Sequence[tuple[str | None, UUID | None]],
+        bootstrap_ttl: timedelta,
+    ) -> Batch: ...
+
+    async def attach_provider(self, runner_instance_id: UUID, provider_runner_id: str) -> bool: ...
+
+    async def assign(
+        self, reservation_id: UUID, runner_instance_ids: Sequence[UUID]
+    ) -> list[UUID]: ...
+
+    async def report(
+        self,
+        events: Sequence[RunnerEvent],
+        *,
+        received_at: datetime,
+        reserved_labels: LabelSet,
+        activation_timeout: timedelta,
+    ) -> ReportOutcome: ...
+
+    async def reconcile(self, observed: Sequence[str], *, grace: timedelta) -> ReconcileOutcome: ...
+
+    async def mint(
+        self, provider_runner_ids: Sequence[str], reservation_id: UUID | None, ttl: timedelta
+    ) -> list[MintedToken]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkspaceDemand:
+    """One demand figure of one workspace, as the provisioner is told of it."""
+
+    workspace_id: UUID
+    labels: LabelSet
+    queued: int
+    reserved: int
+    oldest_queued_at: datetime
+
+
+@dataclass
+class RoundOutcome:
+    """What one round committed, workspace by workspace, and the templates' slots left."""
+
+    remaining: tuple[Template, ...]
+    rounds: list[WorkspaceRound] = field(default_factory=list)
+    skipped: list[UUID] = field(default_factory=list)  # busy workspaces of a walk
+
+    def record(self, result: WorkspaceRound) -> None:
+        """Add one committed workspace transaction."""
+        self.rounds.append(result)
+        metrics.activation_outcomes.labels("rebound").inc(result.rebound)
+        reaped = sum(
+            1
+            for intent in result.terminate_intents
+            if intent.reason is TerminateReason.ACTIVATION_TIMEOUT and not intent.retry
+        )
+        metrics.activation_outcomes.labels("reaped").inc(reaped)
+
+    @property
+    def stats(self) -> list[WorkspaceDemand]:
+        return [
+            WorkspaceDemand(r.workspace_id, s.labels, s.queued, s.reserved, s.oldest_queued_at)
+            for r in self.rounds
+            for s in r.allocation.stats
+        ]
+
+    @property
+    def grants(self) -> list[Grant]:
+        return [g for r in self.rounds for g in r.grants]
+
+    @property
+    def newly_reserved(self) -> int:
+        return sum(r.allocation.newly_reserved for r in self.rounds)
+
+    @property
+    def bound_ids(self) -> frozenset[UUID]:
+        return frozenset(i for r in self.rounds for i in r.allocation.bound_runner_ids)
+
+    @property
+    def terminate(self) -> list[str]:
+        return [i.provider_runner_id for r in self.rounds for i in r.terminate_intents]
+
+    @property
+    def intent_reasons(self) -> dict[str, str]:
+        """Provider runner id -> why it is to be terminated."""
+        return {
+            i.provider_runner_id: i.reason.value for r in self.rounds for i in r.terminate_intents
+        }
+
+
+async def workspace_round(
+    store: ProvisioningStore, workspace_id: UUID, terms: RoundTerms
+) -> RoundOutcome:
+    """A workspace provisioner's round: one fenced allocation transaction."""
+    result = await store.allocate_workspace(workspace_id, terms)
+    outcome = RoundOutcome(remaining=result.allocation.remaining_templates)
+    outcome.record(result)
+    return outcome
+
+
+async def installation_walk(
+    store: ProvisioningStore, terms: RoundTerms, outcome: RoundOutcome
+) -> None:
+    """Spec 3.5: each workspace with pending jobs, oldest demand first, in its own fenced
+    transaction, carrying the budget to the next; `outcome` records each as it commits.
+    `outcome.remaining` ends as the advertised templates less every launch unit still pending."""
+    budget = terms.max_reservations
+    for workspace_id in await store.demand_workspaces():
+        if budget <= 0:
+            break
+        result = await store.allocate_in_walk(workspace_id, replace(terms, max_reservations=budget))
+        if result is None:
+            outcome.skipped.append(workspace_id)
+            continue
+        outcome.record(result)
+        budget = result.allocation.remaining_max
+    outcome.remaining = without_pending(terms.templates, await store.outstanding_grants())
+
+
+def grant_of(reservation: Reservation, pending: int) -> Grant:
+    """An outstanding launch reservation as a grant of its units still to be launched."""
+    return Grant(
+        reservation_id=reservation.id,
+        workspace_id=reservation.workspace_id,
+        labels=reservation.labels,
+        count=pending,
+        expires_at=reservation.expires_at,
+    )
