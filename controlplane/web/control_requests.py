@@ -27,12 +27,12 @@ from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import Fence, hold_fence
 from controlplane.store.provisioners import Provisioner
 from controlplane.web import ephemeral
-from controlplane.web.services import Services
+from controlplane.web.control_deps import Deps
 from controlplane.wire import control as wire
 
 
 @asynccontextmanager
-async def fenced(svc: Services, session: LocalSession) -> AsyncIterator[Conn]:
+async def fenced(svc: Deps, session: LocalSession) -> AsyncIterator[Conn]:
     async with svc.pool.acquire() as conn, conn.transaction():
         verdict = await hold_fence(conn, session.provisioner_id, session.generation)
         if verdict is not Fence.CURRENT:
@@ -41,7 +41,7 @@ async def fenced(svc: Services, session: LocalSession) -> AsyncIterator[Conn]:
 
 
 def templates_of(
-    svc: Services, provisioner: Provisioner, ads: list[wire.TemplateAd]
+    svc: Deps, provisioner: Provisioner, ads: list[wire.TemplateAd]
 ) -> tuple[Template, ...]:
     """Canonical templates. A workspace provisioner's reserved labels are stripped (spec 3.1);
     a template left with no label is dropped. Template keys must be unique."""
@@ -69,7 +69,7 @@ def templates_of(
 
 
 async def handle(
-    svc: Services,
+    svc: Deps,
     provisioner: Provisioner,
     session: LocalSession,
     actor: ProvisionerActor,
@@ -185,7 +185,8 @@ async def handle(
             return _reconciled(message.request_id, result)
         case wire.MintEphemeral():
             async with fenced(svc, session) as conn:
-                return await ephemeral.mint_ephemeral(conn, svc, provisioner, message)
+                ttl = timedelta(seconds=knobs.ephemeral_token_ttl_seconds)
+                return await ephemeral.mint_ephemeral(conn, ttl, provisioner, message)
     raise InvalidInput(f"unexpected message {type(message).__name__}")
 
 

@@ -11,14 +11,13 @@ from controlplane.errors import InvalidInput
 from controlplane.store import ephemeral
 from controlplane.store.pool import Conn
 from controlplane.store.provisioners import Provisioner
-from controlplane.web.services import Services
 from controlplane.wire import control as wire
 
 log = logging.getLogger("controlplane.ephemeral")
 
 
 async def mint_ephemeral(
-    conn: Conn, svc: Services, provisioner: Provisioner, message: wire.MintEphemeral
+    conn: Conn, ttl: timedelta, provisioner: Provisioner, message: wire.MintEphemeral
 ) -> wire.EphemeralMinted:
     """Answer `mint_ephemeral` on `conn`, whose transaction holds the session's fencing row.
     Refusals (nothing minted): `validation-error` (duplicate ids; an installation provisioner
@@ -34,7 +33,7 @@ async def mint_ephemeral(
         provisioner_id=provisioner.id,
         workspace_id=provisioner.workspace_id,
         provider_runner_ids=ids,
-        ttl=timedelta(seconds=svc.settings.provisioners.ephemeral_token_ttl_seconds),
+        ttl=ttl,
         reservation_id=message.reservation_id,
     )
     reservation = message.reservation_id
