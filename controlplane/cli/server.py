@@ -111,6 +111,8 @@ def _checked_create(args: argparse.Namespace) -> None:
 
 
 def _new_credential(args: argparse.Namespace) -> NewCredential:
+    """What `tokens create` asks for, under the admin API's rules: the scope rule (in the
+    command's words), then the body's field rules."""
     family = Family(args.kind)
     if problem := scope_problem(family, args.workspace, field="--workspace"):
         raise InvalidInput(problem)
