@@ -26,6 +26,7 @@ import anyio
 import asyncpg
 
 from controlplane import metrics
+from controlplane.actors.assignments import AssignmentBoard
 from controlplane.actors.cancels import CancelBoard
 from controlplane.actors.control import ControlSessions
 from controlplane.actors.dispatch import Dispatcher
@@ -37,6 +38,7 @@ from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.settings import Settings
 from controlplane.store import migrations, queue, reservations
+from controlplane.store.credentials import KeyRing
 from controlplane.store.embedded import EmbeddedPostgres
 from controlplane.store.events import EVENTS_CHANNEL
 from controlplane.store.leases import CANCEL_CHANNEL
@@ -44,7 +46,8 @@ from controlplane.store.pool import PoolSettings, borrow, connect, create_pool
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
 from controlplane.web import app as web_app
 from controlplane.web import server as http_server
-from controlplane.web.services import DatabaseProbe, KeyRing, Services
+from controlplane.web.auth import Authenticator
+from controlplane.web.health import DatabaseProbe
 
 log = logging.getLogger("controlplane.app")
 
@@ -188,7 +191,7 @@ class Daemon:
         self.url = url
         self.address = ""
         self._stop = anyio.Event()
-        self.services: Services | None = None
+        self.replica: web_app.Replica | None = None  # once running
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -228,41 +231,50 @@ class Daemon:
         cancels = CancelBoard()
         keys = KeyRing(pool)
         await keys.load()
-        services = Services(
-            settings=settings,
-            pool=pool,
-            dispatcher=dispatcher,
-            cancels=cancels,
-            keys=keys,
-            reserved_labels=settings.reserved_labels,
-            feed=FeedWatch(
-                pool,
-                recheck_seconds=settings.events.recheck_seconds,
-                held_per_key=settings.events.held_reads_per_key,
-            ),
-            probe=DatabaseProbe(pool, refresh_seconds=settings.health.refresh_seconds),
-            control=ControlSessions(),
+        # Told of new events by the listener (`cp_events`, rare events from any replica) and by
+        # this replica's own claims and completions, which do not NOTIFY (store/events.py).
+        feed = FeedWatch(
+            pool,
+            recheck_seconds=settings.events.recheck_seconds,
+            held_per_key=settings.events.held_reads_per_key,
         )
-        self.services = services
+        demand = DemandBoard()
+        control = ControlSessions()
+        assignments = AssignmentBoard()
 
         def reconnected() -> None:
             dispatcher.wake_all()
-            services.demand.wake_all()
+            demand.wake_all()
             cancels.wake_all()
-            services.signal_events()
+            feed.poke()
 
         listener = Listener(
             connection,
             {
-                queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher, services.demand),
-                CANCEL_CHANNEL: _on_cancel(cancels, services.demand),
-                EVENTS_CHANNEL: lambda _payload: services.signal_events(),
-                TAKEOVER_CHANNEL: services.control.notify,
-                reservations.ASSIGNED_CHANNEL: services.assignments.notify,
+                queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher, demand),
+                CANCEL_CHANNEL: _on_cancel(cancels, demand),
+                EVENTS_CHANNEL: lambda _payload: feed.poke(),
+                TAKEOVER_CHANNEL: control.notify,
+                reservations.ASSIGNED_CHANNEL: assignments.notify,
             },
             reconnected,
         )
-        services.listener = listener
+        replica = web_app.Replica(
+            settings=settings,
+            pool=pool,
+            auth=Authenticator(pool, keys, settings),
+            keys=keys,
+            dispatcher=dispatcher,
+            cancels=cancels,
+            feed=feed,
+            probe=DatabaseProbe(pool, refresh_seconds=settings.health.refresh_seconds),
+            listener=listener,
+            control=control,
+            demand=demand,
+            assignments=assignments,
+            closing=anyio.Event(),
+        )
+        self.replica = replica
         maintenance = Maintenance(
             pool,
             Leadership(connection),
@@ -293,7 +305,7 @@ class Daemon:
                 ),
             ),
         )
-        server = http_server.build(web_app.build(services), settings)
+        server = http_server.build(web_app.build(replica), settings)
         sock = http_server.bind(settings.server.host, settings.server.port)
         host, port = sock.getsockname()[:2]
         self.address = f"http://{host}:{port}"
@@ -302,7 +314,7 @@ class Daemon:
             await self._stop.wait()
             log.info("shutdown.requested")
             dispatcher.close()
-            services.close()
+            replica.close()
             server.should_exit = True
 
         async def stop_on_signal() -> None:
@@ -318,7 +330,7 @@ class Daemon:
                 root.start_soon(stop_on_signal)
             await root.start(listener.run)
             await root.start(dispatcher.run)
-            await root.start(services.feed.run)
+            await root.start(feed.run)
             root.start_soon(maintenance.run)
             log.info("server.listening", extra={"address": self.address})
             if on_ready is not None:

@@ -10,7 +10,6 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,9 @@ import anyio
 import msgspec
 
 from controlplane import app, dev, settings
+from controlplane.domain.credential_rules import Family, NewCredential, lifetime, scope_problem
 from controlplane.errors import InvalidInput
-from controlplane.store import credentials, provisioners
+from controlplane.store import credentials
 from controlplane.store.pool import connect
 from controlplane.wire import admin as admin_wire
 from controlplane.wire import provisioners as provisioner_wire
@@ -94,12 +94,8 @@ def _cmd_migrate(config: settings.Settings, _args: argparse.Namespace) -> None:
     anyio.run(run)
 
 
-def _ttl(seconds: int | None) -> timedelta | None:
-    return None if seconds is None else timedelta(seconds=seconds)
-
-
 def _checked_create(args: argparse.Namespace) -> None:
-    """The admin API's rules for creates, so the CLI cannot store what HTTP refuses."""
+    """The request bodies' field rules (name, ttl), so the CLI cannot store what HTTP refuses."""
     fields: dict[str, Any] = {"name": args.name, "ttl_seconds": args.ttl}
     try:
         if args.kind == "registration":
@@ -114,52 +110,31 @@ def _checked_create(args: argparse.Namespace) -> None:
         raise InvalidInput(f"invalid token request: {error}") from error
 
 
-async def _create_token(conn: Any, args: argparse.Namespace) -> tuple[Any, str]:
-    ttl = _ttl(args.ttl)
-    if args.kind == "registration":
-        return await credentials.create_manual_token(
-            conn, workspace_id=args.workspace, name=args.name, ttl=ttl
-        )
-    if args.kind == "provisioner":
-        return await provisioners.create(conn, name=args.name, workspace_id=args.workspace, ttl=ttl)
-    return await credentials.create_api_key(
-        conn, kind=args.kind, name=args.name, workspace_id=args.workspace, ttl=ttl
-    )
-
-
-async def _list_tokens(conn: Any, args: argparse.Namespace) -> list[Any]:
-    if args.kind == "registration":
-        return list(await credentials.list_manual_tokens(conn, args.workspace))
-    if args.kind == "provisioner":
-        return list(await provisioners.list_all(conn, args.workspace))
-    return list(await credentials.list_api_keys(conn, args.kind))
-
-
-async def _revoke_token(conn: Any, args: argparse.Namespace) -> Any:
-    if args.kind == "registration":
-        return await credentials.revoke_manual_token(conn, args.id)
-    if args.kind == "provisioner":
-        return await provisioners.revoke(conn, args.id)
-    return await credentials.revoke_api_key(conn, args.id)
+def _new_credential(args: argparse.Namespace) -> NewCredential:
+    """What `tokens create` asks for, under the admin API's rules: the scope rule (in the
+    command's words), then the body's field rules."""
+    family = Family(args.kind)
+    if problem := scope_problem(family, args.workspace, field="--workspace"):
+        raise InvalidInput(problem)
+    _checked_create(args)
+    return NewCredential(family, args.name, args.workspace, lifetime(args.ttl))
 
 
 def _cmd_tokens(config: settings.Settings, args: argparse.Namespace) -> None:
-    if args.action == "create":
-        if args.kind == "registration" and args.workspace is None:
-            raise InvalidInput("registration tokens need --workspace")
-        if args.kind == "admin" and args.workspace is not None:
-            raise InvalidInput("admin keys are installation-wide: omit --workspace")
-        _checked_create(args)
+    """Create, list or revoke through store/credentials.py, as the admin routes do; the raw
+    token is printed once, by create."""
+    family = Family(args.kind)
+    new = _new_credential(args) if args.action == "create" else None
 
     async def work(conn: Any) -> None:
-        if args.action == "create":
-            created, raw = await _create_token(conn, args)
+        if new is not None:
+            created, raw = await credentials.issue(conn, new)
             _print({"credential": created, "token": raw})
         elif args.action == "list":
-            for item in await _list_tokens(conn, args):
+            for item in await credentials.listed(conn, family, args.workspace):
                 _print(item)
         else:
-            _print(await _revoke_token(conn, args))
+            _print(await credentials.revoke(conn, family, args.id))
 
     anyio.run(lambda: _with_db(config, work))
 

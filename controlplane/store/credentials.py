@@ -1,7 +1,11 @@
-"""Credentials: signing keys, API keys (orchestrator, admin) and manual registration tokens.
+"""Credentials: signing keys and the replica's cache of them (`KeyRing`), API keys
+(orchestrator, admin) and manual registration tokens; and issuing, listing and revoking any family
+an operator manages (provisioner tokens too, through store/provisioners.py), for the admin API and
+the `tokens` command alike, under the rules of domain/credential_rules.py.
 
 No statement here takes an explicit lock; each is a single-row insert, update or lookup by a
-unique key. Raw tokens never reach this module except to be hashed by domain.tokens first.
+unique key (a provisioner token's revocation takes its own, store/provisioners.py). Raw tokens
+never reach this module except to be hashed by domain.tokens first, or returned once by a create.
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from uuid import UUID
 
+import anyio
 import asyncpg
 
 from controlplane.domain import tokens
+from controlplane.domain.credential_rules import Family, NewCredential
 from controlplane.errors import NotFound
-from controlplane.store import pages
+from controlplane.store import pages, provisioners
 from controlplane.store.pool import Conn
+from controlplane.store.provisioners import Provisioner
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +55,6 @@ def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
     )
 
 
-_API_KINDS = {"orchestrator": tokens.Kind.ORCHESTRATOR_KEY, "admin": tokens.Kind.ADMIN_KEY}
 _COLUMNS = (
     "id, name, workspace_id, display_prefix, created_at, expires_at, revoked_at, revocation_reason"
 )
@@ -89,6 +95,34 @@ async def rotate_signing_key(conn: Conn) -> tokens.SigningKey:
     return key
 
 
+class KeyRing:
+    """The signing keys, cached in memory; an unknown key id triggers at most one reload a
+    second."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+        self._keys: dict[str, tokens.SigningKey] = {}
+        self._current: tokens.SigningKey | None = None
+        self._loaded_at = -1.0
+
+    async def load(self) -> None:
+        async with self._pool.acquire() as conn:
+            self._current = await current_signing_key(conn)
+            self._keys = await signing_keys(conn)
+        self._loaded_at = anyio.current_time()
+
+    @property
+    def current(self) -> tokens.SigningKey:
+        assert self._current is not None, "KeyRing.load() first"
+        return self._current
+
+    async def keys_for(self, token: str) -> dict[str, tokens.SigningKey]:
+        kid = token.split("_", 2)[-1].split(".", 1)[0]
+        if kid not in self._keys and anyio.current_time() - self._loaded_at > 1.0:
+            await self.load()
+        return self._keys
+
+
 # API keys -------------------------------------------------------------------------------------
 
 
@@ -101,7 +135,7 @@ async def create_api_key(
     ttl: timedelta | None = None,
     token: tokens.Opaque | None = None,
 ) -> tuple[Credential, str]:
-    token = token or tokens.new_opaque(_API_KINDS[kind])
+    token = token or tokens.new_opaque(Family(kind).token_kind)
     row = await conn.fetchrow(
         f"""
         INSERT INTO api_keys (kind, name, workspace_id, token_sha256, display_prefix, expires_at)
@@ -251,3 +285,69 @@ async def revoke_manual_token(
     if row is None:
         raise NotFound("no such registration token", id=str(token_id))
     return _credential(row, "manual-registration")
+
+
+# Any family, for the admin API and the `tokens` command ------------------------------------------
+
+
+async def issue_key(
+    conn: Conn, new: NewCredential, token: tokens.Opaque | None = None
+) -> tuple[Credential, str]:
+    """Create an API key or a manual registration token; the raw token is in this answer only.
+    `token`: the one to store (an idempotent replay derives it), else a new random one."""
+    if new.family is Family.PROVISIONER:
+        raise ValueError("a provisioner token is issued by issue_provisioner")
+    if new.family is Family.REGISTRATION:
+        assert new.workspace_id is not None  # NewCredential's scope rule
+        return await create_manual_token(
+            conn, workspace_id=new.workspace_id, name=new.name, ttl=new.ttl, token=token
+        )
+    return await create_api_key(
+        conn,
+        kind=new.family.value,
+        name=new.name,
+        workspace_id=new.workspace_id,
+        ttl=new.ttl,
+        token=token,
+    )
+
+
+async def issue_provisioner(
+    conn: Conn, new: NewCredential, token: tokens.Opaque | None = None
+) -> tuple[Provisioner, str]:
+    """Create a provisioner token (no workspace: installation scope), as `issue_key` does."""
+    if new.family is not Family.PROVISIONER:
+        raise ValueError(f"a {new.family} credential is issued by issue_key")
+    return await provisioners.create(
+        conn, name=new.name, workspace_id=new.workspace_id, ttl=new.ttl, token=token
+    )
+
+
+async def issue(conn: Conn, new: NewCredential) -> tuple[Credential | Provisioner, str]:
+    if new.family is Family.PROVISIONER:
+        return await issue_provisioner(conn, new)
+    return await issue_key(conn, new)
+
+
+async def listed(
+    conn: Conn, family: Family, workspace_id: UUID | None = None
+) -> list[Credential] | list[Provisioner]:
+    """Every credential of `family`, newest first. `workspace_id` filters registration and
+    provisioner tokens; API keys are listed by kind alone."""
+    if family is Family.REGISTRATION:
+        return await list_manual_tokens(conn, workspace_id)
+    if family is Family.PROVISIONER:
+        return await provisioners.list_all(conn, workspace_id)
+    return await list_api_keys(conn, family.value)
+
+
+async def revoke(
+    conn: Conn, family: Family, target_id: UUID, *, reason: str | None = None
+) -> Credential | Provisioner:
+    """Revoke one credential of `family` by id (either API key kind revokes any API key);
+    idempotent, keeping the first time and reason."""
+    if family is Family.REGISTRATION:
+        return await revoke_manual_token(conn, target_id, reason=reason)
+    if family is Family.PROVISIONER:
+        return await provisioners.revoke(conn, target_id, reason=reason)
+    return await revoke_api_key(conn, target_id, reason=reason)

@@ -5,20 +5,24 @@ fleet views list every provisioner's instances, of either scope."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from uuid import UUID
 
+import asyncpg
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from controlplane.domain import fleet as views
 from controlplane.domain import tokens
+from controlplane.domain.credential_rules import Family, NewCredential, lifetime
 from controlplane.domain.labels import label_error
 from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import InvalidInput
+from controlplane.settings import Settings
 from controlplane.store import credentials, executions, fleet, queries
-from controlplane.store.credentials import Credential
+from controlplane.store.credentials import Credential, KeyRing
 from controlplane.store.pool import Conn
 from controlplane.web import auth
 from controlplane.web.edge import (
@@ -30,9 +34,18 @@ from controlplane.web.edge import (
     query_value,
     read_json,
 )
+from controlplane.web.endpoints import bound
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.paging import PAGE_QUERY, Page, cut, page_of
 from controlplane.wire import admin as wire
+
+
+@dataclass(frozen=True, slots=True)
+class Deps:
+    settings: Settings
+    pool: asyncpg.Pool
+    auth: auth.Authenticator
+    keys: KeyRing  # a replayed create derives its token with the current key
 
 
 def _out(credential: Credential) -> wire.CredentialOut:
@@ -49,28 +62,16 @@ def _out(credential: Credential) -> wire.CredentialOut:
     )
 
 
-def _ttl(seconds: float | None) -> timedelta | None:
-    return None if seconds is None else timedelta(seconds=seconds)
-
-
-async def create_api_key(request: Request) -> Response:
-    actor = await auth.api_key(request, "admin")
-    svc = auth.services(request)
+async def create_api_key(svc: Deps, request: Request) -> Response:
+    actor = await svc.auth.admin(request)
     body = await read_json(request, wire.CreateApiKey, svc.settings.server.max_body_bytes)
-    kind = tokens.Kind.ADMIN_KEY if body.kind == "admin" else tokens.Kind.ORCHESTRATOR_KEY
+    new = NewCredential(Family(body.kind), body.name, body.workspace_id, lifetime(body.ttl_seconds))
 
     async def create(conn: Conn, token: tokens.Opaque | None) -> tuple[Credential, str]:
-        return await credentials.create_api_key(
-            conn,
-            kind=body.kind,
-            name=body.name,
-            workspace_id=body.workspace_id,
-            ttl=_ttl(body.ttl_seconds),
-            token=token,
-        )
+        return await credentials.issue_key(conn, new, token)
 
     created, raw = await create_once(
-        request, svc, actor, "api_key.create", body, kind, create,
+        request, svc, actor, "api_key.create", body, new.family.token_kind, create,
         credentials.api_key_by_id, lambda found: found.id,
     )  # fmt: skip
     return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
@@ -87,8 +88,8 @@ def _credentials(found: list[Credential], page: Page) -> Response:
     )
 
 
-async def list_api_keys(request: Request) -> Response:
-    svc = await auth.admin(request)
+async def list_api_keys(svc: Deps, request: Request) -> Response:
+    await svc.auth.admin(request)
     query_only(request, *PAGE_QUERY)
     page = page_of(request)
     async with svc.pool.acquire() as conn:
@@ -97,12 +98,12 @@ async def list_api_keys(request: Request) -> Response:
 
 
 async def _revoke(
+    svc: Deps,
     request: Request,
     command: str,
     revoke: Callable[[Conn, UUID, str | None], Awaitable[Credential]],
 ) -> Response:
-    actor = await auth.api_key(request, "admin")
-    svc = auth.services(request)
+    actor = await svc.auth.admin(request)
     target_id = path_uuid(request, "id")
     body = await read_json(request, wire.Revoke, svc.settings.server.max_body_bytes, optional=True)
 
@@ -113,40 +114,36 @@ async def _revoke(
     return Response(answer, 200, media_type="application/json")
 
 
-async def revoke_api_key(request: Request) -> Response:
+async def revoke_api_key(svc: Deps, request: Request) -> Response:
     return await _revoke(
+        svc,
         request,
         "api_key.revoke",
         lambda conn, key_id, reason: credentials.revoke_api_key(conn, key_id, reason=reason),
     )
 
 
-async def create_registration_token(request: Request) -> Response:
-    actor = await auth.api_key(request, "admin")
-    svc = auth.services(request)
+async def create_registration_token(svc: Deps, request: Request) -> Response:
+    actor = await svc.auth.admin(request)
     body = await read_json(
         request, wire.CreateRegistrationToken, svc.settings.server.max_body_bytes
     )
+    new = NewCredential(
+        Family.REGISTRATION, body.name, body.workspace_id, lifetime(body.ttl_seconds)
+    )
 
     async def create(conn: Conn, token: tokens.Opaque | None) -> tuple[Credential, str]:
-        return await credentials.create_manual_token(
-            conn,
-            workspace_id=body.workspace_id,
-            name=body.name,
-            ttl=_ttl(body.ttl_seconds),
-            token=token,
-        )
+        return await credentials.issue_key(conn, new, token)
 
     created, raw = await create_once(
-        request, svc, actor, "registration_token.create", body,
-        tokens.Kind.MANUAL_REGISTRATION, create, credentials.manual_token_by_id,
-        lambda found: found.id,
+        request, svc, actor, "registration_token.create", body, new.family.token_kind,
+        create, credentials.manual_token_by_id, lambda found: found.id,
     )  # fmt: skip
     return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
 
 
-async def list_registration_tokens(request: Request) -> Response:
-    svc = await auth.admin(request)
+async def list_registration_tokens(svc: Deps, request: Request) -> Response:
+    await svc.auth.admin(request)
     query_only(request, "workspace_id", *PAGE_QUERY)
     workspace = query_uuid(request, "workspace_id")
     page = page_of(request)
@@ -157,8 +154,9 @@ async def list_registration_tokens(request: Request) -> Response:
     return _credentials(found, page)
 
 
-async def revoke_registration_token(request: Request) -> Response:
+async def revoke_registration_token(svc: Deps, request: Request) -> Response:
     return await _revoke(
+        svc,
         request,
         "registration_token.revoke",
         lambda conn, token_id, reason: credentials.revoke_manual_token(
@@ -167,8 +165,8 @@ async def revoke_registration_token(request: Request) -> Response:
     )
 
 
-async def queue_overview(request: Request) -> Response:
-    svc = await auth.admin(request)
+async def queue_overview(svc: Deps, request: Request) -> Response:
+    await svc.auth.admin(request)
     async with svc.pool.acquire() as conn:
         depth = await queries.depth(conn)
         workspaces = await executions.workspaces_with_jobs(conn)
@@ -201,8 +199,8 @@ async def queue_overview(request: Request) -> Response:
 ACTIVE_WINDOW_SECONDS = 60  # as the reference's RUNNER_ACTIVE_WINDOW_SECONDS
 
 
-async def active_runners(request: Request) -> Response:
-    svc = await auth.admin(request)
+async def active_runners(svc: Deps, request: Request) -> Response:
+    await svc.auth.admin(request)
     workspace = query_uuid(request, "workspace_id")
     window = query_integer(
         request, "window_seconds", low=1, high=86_400, default=ACTIVE_WINDOW_SECONDS
@@ -267,9 +265,9 @@ _STATES = tuple(state.value for state in RunnerState)
 _INSTANCE_QUERY = ("state", "assignment", "label", "provisioner_id", "workspace_id", *PAGE_QUERY)
 
 
-async def runner_instances(request: Request) -> Response:
+async def runner_instances(svc: Deps, request: Request) -> Response:
     """Every provisioner's runner instances, newest first, one page at a time."""
-    svc = await auth.admin(request)
+    await svc.auth.admin(request)
     query_only(request, *_INSTANCE_QUERY)
     state = _choice(request, "state", _STATES)
     assignment = _choice(request, "assignment", ("assigned", "unassigned"))
@@ -297,9 +295,9 @@ async def runner_instances(request: Request) -> Response:
     )
 
 
-async def active_runner_instances(request: Request) -> Response:
+async def active_runner_instances(svc: Deps, request: Request) -> Response:
     """A workspace's active-state instances the server updated recently (spec P-87)."""
-    svc = await auth.admin(request)
+    await svc.auth.admin(request)
     query_only(request, "workspace_id")
     workspace = query_uuid(request, "workspace_id")
     if workspace is None:
@@ -314,8 +312,8 @@ async def active_runner_instances(request: Request) -> Response:
     )
 
 
-async def runner_instance_counts(request: Request) -> Response:
-    svc = await auth.admin(request)
+async def runner_instance_counts(svc: Deps, request: Request) -> Response:
+    await svc.auth.admin(request)
     query_only(request)
     async with svc.pool.acquire() as conn:
         counts = await fleet.counts_by_state(conn)
@@ -326,9 +324,9 @@ async def runner_instance_counts(request: Request) -> Response:
     )
 
 
-async def reservations(request: Request) -> Response:
+async def reservations(svc: Deps, request: Request) -> Response:
     """Unexpired reservations per workspace, label set and kind."""
-    svc = await auth.admin(request)
+    await svc.auth.admin(request)
     query_only(request, "workspace_id")
     workspace = query_uuid(request, "workspace_id")
     async with svc.pool.acquire() as conn:
@@ -350,17 +348,38 @@ async def reservations(request: Request) -> Response:
     )
 
 
-routes = [
-    Route("/v1/admin/runners", active_runners, methods=["GET"]),
-    Route("/v1/admin/runner-instances", runner_instances, methods=["GET"]),
-    Route("/v1/admin/runner-instances/active", active_runner_instances, methods=["GET"]),
-    Route("/v1/admin/runner-instances/counts", runner_instance_counts, methods=["GET"]),
-    Route("/v1/admin/reservations", reservations, methods=["GET"]),
-    Route("/v1/admin/api-keys", create_api_key, methods=["POST"]),
-    Route("/v1/admin/api-keys", list_api_keys, methods=["GET"]),
-    Route("/v1/admin/api-keys/{id}/revoke", revoke_api_key, methods=["POST"]),
-    Route("/v1/admin/registration-tokens", create_registration_token, methods=["POST"]),
-    Route("/v1/admin/registration-tokens", list_registration_tokens, methods=["GET"]),
-    Route("/v1/admin/registration-tokens/{id}/revoke", revoke_registration_token, methods=["POST"]),
-    Route("/v1/admin/queue", queue_overview, methods=["GET"]),
-]
+def routes(svc: Deps | None) -> list[BaseRoute]:
+    return [
+        Route("/v1/admin/runners", bound(active_runners, svc), methods=["GET"]),
+        Route("/v1/admin/runner-instances", bound(runner_instances, svc), methods=["GET"]),
+        Route(
+            "/v1/admin/runner-instances/active",
+            bound(active_runner_instances, svc),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/admin/runner-instances/counts",
+            bound(runner_instance_counts, svc),
+            methods=["GET"],
+        ),
+        Route("/v1/admin/reservations", bound(reservations, svc), methods=["GET"]),
+        Route("/v1/admin/api-keys", bound(create_api_key, svc), methods=["POST"]),
+        Route("/v1/admin/api-keys", bound(list_api_keys, svc), methods=["GET"]),
+        Route("/v1/admin/api-keys/{id}/revoke", bound(revoke_api_key, svc), methods=["POST"]),
+        Route(
+            "/v1/admin/registration-tokens",
+            bound(create_registration_token, svc),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/admin/registration-tokens",
+            bound(list_registration_tokens, svc),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/admin/registration-tokens/{id}/revoke",
+            bound(revoke_registration_token, svc),
+            methods=["POST"],
+        ),
+        Route("/v1/admin/queue", bound(queue_overview, svc), methods=["GET"]),
+    ]

@@ -1,19 +1,34 @@
-"""The Starlette application: routes and the one error mapping. Nothing else lives here."""
+"""The Starlette application: routes, each module's given what it needs, and the one error
+mapping. Nothing else lives here."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
+import anyio
+import asyncpg
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from controlplane.actors.assignments import AssignmentBoard
+from controlplane.actors.cancels import CancelBoard
+from controlplane.actors.control import ControlSessions
+from controlplane.actors.dispatch import Dispatcher
+from controlplane.actors.feed import FeedWatch
+from controlplane.actors.listener import Listener
+from controlplane.actors.provisioning import DemandBoard
 from controlplane.errors import ControlPlaneError
+from controlplane.settings import Settings
+from controlplane.store.credentials import KeyRing
 from controlplane.web import (
     admin,
     control,
+    control_deps,
     health,
     jobs,
     openapi,
@@ -22,6 +37,7 @@ from controlplane.web import (
     runner_control,
     runners,
 )
+from controlplane.web.auth import Authenticator, utc_now
 from controlplane.web.errors import (
     DATABASE_FAULTS,
     handle_client_disconnect,
@@ -29,9 +45,34 @@ from controlplane.web.errors import (
     handle_http_exception,
     handle_unexpected,
 )
-from controlplane.web.services import Services
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """The live parts of one replica the routes are built from (app.py makes them). Only
+    `build` reads it: each route module is handed the few parts it declares it needs."""
+
+    settings: Settings
+    pool: asyncpg.Pool
+    auth: Authenticator
+    keys: KeyRing
+    dispatcher: Dispatcher
+    cancels: CancelBoard
+    feed: FeedWatch
+    probe: health.DatabaseProbe
+    listener: Listener
+    control: ControlSessions
+    demand: DemandBoard
+    assignments: AssignmentBoard
+    closing: anyio.Event
+
+    def close(self) -> None:
+        """Shutdown: release held heartbeats and event reads so they answer now."""
+        self.closing.set()
+        self.cancels.wake_all()
+        self.feed.wake_all()
 
 
 class Resource(Route):
@@ -69,21 +110,67 @@ def one_route_per_path(routes: Sequence[BaseRoute]) -> list[BaseRoute]:
     return out
 
 
-def build(services: Services | None) -> Starlette:
-    app = Starlette(
-        routes=one_route_per_path(
-            [
-                *health.routes,
-                *runners.routes,
-                *orchestrator.routes,
-                *admin.routes,
-                *jobs.routes,
-                *provisioners.routes,
-                *control.routes,
-                *runner_control.routes,
-                Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
-            ]
+D = TypeVar("D")
+
+
+def _routes(replica: Replica | None) -> list[BaseRoute]:
+    """Every route, each module's bound to what it declares it needs (None: describing)."""
+
+    def given(needs: Callable[[Replica], D]) -> D | None:
+        return None if replica is None else needs(replica)
+
+    return [
+        *health.routes(given(lambda r: health.Deps(r.probe, r.dispatcher, r.listener))),
+        *runners.routes(
+            given(
+                lambda r: runners.Deps(
+                    r.settings,
+                    r.pool,
+                    r.auth,
+                    r.dispatcher,
+                    r.cancels,
+                    r.feed,
+                    r.closing,
+                    r.settings.reserved_labels,
+                )
+            )
         ),
+        *orchestrator.routes(
+            given(lambda r: orchestrator.Deps(r.settings, r.pool, r.auth, r.feed, r.closing))
+        ),
+        *admin.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
+        *jobs.routes(given(lambda r: jobs.Deps(r.pool, r.auth, r.feed))),
+        *provisioners.routes(
+            given(lambda r: provisioners.Deps(r.settings, r.pool, r.auth, r.keys))
+        ),
+        *control.routes(
+            given(
+                lambda r: control_deps.Deps(
+                    r.settings,
+                    r.pool,
+                    r.auth,
+                    r.settings.reserved_labels,
+                    utc_now,
+                    r.control,
+                    r.demand,
+                )
+            )
+        ),
+        *runner_control.routes(
+            given(
+                lambda r: runner_control.Deps(
+                    r.settings, r.pool, r.auth, r.settings.reserved_labels, r.assignments
+                )
+            )
+        ),
+        Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
+    ]
+
+
+def build(replica: Replica | None) -> Starlette:
+    """The app serving `replica`; None: the routes alone, to be described (OpenAPI)."""
+    app = Starlette(
+        routes=one_route_per_path(_routes(replica)),
         exception_handlers={
             ControlPlaneError: handle_control_plane_error,
             HTTPException: handle_http_exception,
@@ -92,7 +179,6 @@ def build(services: Services | None) -> Starlette:
             Exception: handle_unexpected,
         },
     )
-    app.state.services = services
-    if services is not None:  # None: only the routes are wanted (OpenAPI generation)
-        app.state.assignments = services.assignments  # parked assignment long-polls
+    # Read by the edge's body decoding and the served OpenAPI document; handlers get theirs.
+    app.state.settings = None if replica is None else replica.settings
     return app

@@ -18,7 +18,7 @@ from datetime import timedelta
 import anyio
 import anyio.abc
 import msgspec
-from starlette.routing import WebSocketRoute
+from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from controlplane.actors.control import LocalSession
@@ -26,10 +26,11 @@ from controlplane.actors.provisioning import DemandPush, Limits, ProvisionerActo
 from controlplane.errors import ControlPlaneError, Fenced, InvalidInput, Unauthorized, Unavailable
 from controlplane.store.provisioners import Provisioner
 from controlplane.store.provisioning import open_session
-from controlplane.web import auth, edge
 from controlplane.web import control_requests as handlers
+from controlplane.web import edge
+from controlplane.web.control_deps import Deps
+from controlplane.web.endpoints import bound
 from controlplane.web.errors import DATABASE_FAULTS
-from controlplane.web.services import Services
 from controlplane.wire import control as wire
 
 log = logging.getLogger("controlplane.control")
@@ -80,11 +81,10 @@ def _reason(text: str) -> str:
     return text.encode()[:123].decode(errors="ignore")
 
 
-async def session(websocket: WebSocket) -> None:
-    svc: Services = websocket.app.state.services
+async def session(svc: Deps, websocket: WebSocket) -> None:
     try:
-        # auth.provisioner reads only what every HTTPConnection has (.app, .headers).
-        found = await auth.provisioner(websocket)
+        # The provisioner check reads only what every HTTPConnection has (.headers).
+        found = await svc.auth.provisioner(websocket)
     except Unauthorized as error:
         await _refuse(websocket, Close(_AUTH_CLOSE.get(error.code, UNAUTHORIZED), error.code))
         return
@@ -121,7 +121,7 @@ async def _close(websocket: WebSocket, outcome: Close) -> None:
         await websocket.close(outcome.code, _reason(outcome.reason))
 
 
-async def _converse(websocket: WebSocket, svc: Services, found: Provisioner) -> Close | None:
+async def _converse(websocket: WebSocket, svc: Deps, found: Provisioner) -> Close | None:
     """Run the session until it ends; the close to send, or None when the client went away."""
     registry = svc.control
     conversation = _Conversation(websocket, svc, found)
@@ -168,7 +168,7 @@ class _Conversation:
     """One session's state: its fencing generation, its actor, and a lock serialising sends
     (the reader answers requests while the actor pushes demand)."""
 
-    def __init__(self, websocket: WebSocket, svc: Services, found: Provisioner) -> None:
+    def __init__(self, websocket: WebSocket, svc: Deps, found: Provisioner) -> None:
         self.websocket = websocket
         self.svc = svc
         self.found = found
@@ -318,7 +318,7 @@ class _Conversation:
         await self.send(answer)
 
 
-def _limits(svc: Services) -> Limits:
+def _limits(svc: Deps) -> Limits:
     knobs = svc.settings.provisioners
     return Limits(
         activation_grace=timedelta(seconds=knobs.reservation_ttl_seconds),
@@ -334,4 +334,5 @@ def _limits(svc: Services) -> Limits:
     )
 
 
-routes = [WebSocketRoute("/v1/provisioners/session", session)]
+def routes(svc: Deps | None) -> list[BaseRoute]:
+    return [WebSocketRoute("/v1/provisioners/session", bound(session, svc))]

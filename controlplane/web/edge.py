@@ -186,7 +186,7 @@ def decode(body: bytes, kind: type[T], *, max_depth: int) -> T:
 
 
 def max_json_depth(request: HTTPConnection) -> int:
-    depth: int = request.app.state.services.settings.server.max_json_depth
+    depth: int = request.app.state.settings.server.max_json_depth
     return depth
 
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 from uuid import UUID
 
+import asyncpg
 import msgspec
 from starlette.requests import Request
 
@@ -30,9 +31,8 @@ from controlplane.domain import tokens
 from controlplane.errors import Conflict, InvalidInput
 from controlplane.store import admin_commands
 from controlplane.store.admin_commands import Remembered
-from controlplane.store.credentials import Credential
+from controlplane.store.credentials import Credential, KeyRing
 from controlplane.store.pool import Conn
-from controlplane.web.services import Services
 from controlplane.wire.admin import Revoke
 
 T = TypeVar("T")
@@ -41,6 +41,17 @@ MAX_KEY_LENGTH = 256
 
 log = logging.getLogger("controlplane.admin")
 _encoder = msgspec.json.Encoder()
+
+
+class Deps(Protocol):
+    """What a create or revoke made once needs: the database, and the signing key a replayed
+    create derives its token with."""
+
+    @property
+    def pool(self) -> asyncpg.Pool: ...
+
+    @property
+    def keys(self) -> KeyRing: ...
 
 
 def _sha256(text: str | bytes) -> str:
@@ -60,7 +71,7 @@ def idempotency_key(request: Request) -> str | None:
 
 async def create_once(
     request: Request,
-    svc: Services,
+    svc: Deps,
     actor: Credential,
     command: str,
     body: msgspec.Struct,
@@ -101,7 +112,7 @@ async def create_once(
 
 async def revoke_once(
     request: Request,
-    svc: Services,
+    svc: Deps,
     actor: Credential,
     command: str,
     target_id: UUID,

@@ -3,12 +3,15 @@ and the pending label sets with who could take them (`controlplane jobs`, `statu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
+import asyncpg
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
+from controlplane.actors.feed import FeedWatch
 from controlplane.domain.jobs import Outcome
 from controlplane.domain.labels import label_error
 from controlplane.domain.waiting import Takers, Waiting, why_waiting
@@ -16,6 +19,7 @@ from controlplane.errors import InvalidInput, NotFound
 from controlplane.store import job_views, leases
 from controlplane.web import auth
 from controlplane.web.edge import json_response, path_uuid, query_only, query_uuid
+from controlplane.web.endpoints import bound
 from controlplane.web.paging import PAGE_QUERY, cut, page_of
 from controlplane.wire import jobs as wire
 
@@ -23,6 +27,13 @@ from controlplane.wire import jobs as wire
 # admin runner view (web/admin.py ACTIVE_WINDOW_SECONDS).
 TAKER_WINDOW = timedelta(seconds=60)
 MAX_LABELS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Deps:
+    pool: asyncpg.Pool
+    auth: auth.Authenticator
+    feed: FeedWatch  # told when an operator's cancel adds to the event feed
 
 
 def _job(view: job_views.JobView) -> wire.JobOut:
@@ -67,8 +78,8 @@ def _labels(request: Request) -> list[str] | None:
     return labels
 
 
-async def list_jobs(request: Request) -> Response:
-    svc = await auth.admin(request)
+async def list_jobs(svc: Deps, request: Request) -> Response:
+    await svc.auth.admin(request)
     query_only(request, "workspace_id", "status", "labels", *PAGE_QUERY)
     status = request.query_params.get("status")
     if status is not None and status not in job_views.STATUSES:
@@ -87,8 +98,8 @@ async def list_jobs(request: Request) -> Response:
     return json_response(wire.JobList(items=[_job(row) for row in shown], next_cursor=next_cursor))
 
 
-async def show_job(request: Request) -> Response:
-    svc = await auth.admin(request)
+async def show_job(svc: Deps, request: Request) -> Response:
+    await svc.auth.admin(request)
     query_only(request)
     execution = path_uuid(request, "job_execution_id")
     async with svc.pool.acquire() as conn:
@@ -108,10 +119,10 @@ async def show_job(request: Request) -> Response:
     )
 
 
-async def cancel_job(request: Request) -> Response:
+async def cancel_job(svc: Deps, request: Request) -> Response:
     """An operator ends an execution, as the orchestrator's cancel does: a pending one leaves the
     queue, a running one's runner hears the cancel on its held heartbeat."""
-    svc = await auth.admin(request)
+    await svc.auth.admin(request)
     query_only(request)
     execution = path_uuid(request, "job_execution_id")
     async with svc.pool.acquire() as conn:
@@ -121,7 +132,7 @@ async def cancel_job(request: Request) -> Response:
             conn, execution, Outcome.CANCELLED, "cancelled by an operator"
         )
     if result.newly_ended:
-        svc.signal_events()
+        svc.feed.poke()
     return json_response(
         wire.JobCancelled(
             was_pending=result.was_pending,
@@ -131,8 +142,8 @@ async def cancel_job(request: Request) -> Response:
     )
 
 
-async def pending_groups(request: Request) -> Response:
-    svc = await auth.admin(request)
+async def pending_groups(svc: Deps, request: Request) -> Response:
+    await svc.auth.admin(request)
     query_only(request)
     async with svc.pool.acquire() as conn:
         groups = await job_views.pending_groups(conn, TAKER_WINDOW)
@@ -154,9 +165,10 @@ async def pending_groups(request: Request) -> Response:
     )
 
 
-routes = [
-    Route("/v1/admin/jobs", list_jobs, methods=["GET"]),
-    Route("/v1/admin/jobs/{job_execution_id}", show_job, methods=["GET"]),
-    Route("/v1/admin/jobs/{job_execution_id}/cancel", cancel_job, methods=["POST"]),
-    Route("/v1/admin/queue/pending", pending_groups, methods=["GET"]),
-]
+def routes(svc: Deps | None) -> list[BaseRoute]:
+    return [
+        Route("/v1/admin/jobs", bound(list_jobs, svc), methods=["GET"]),
+        Route("/v1/admin/jobs/{job_execution_id}", bound(show_job, svc), methods=["GET"]),
+        Route("/v1/admin/jobs/{job_execution_id}/cancel", bound(cancel_job, svc), methods=["POST"]),
+        Route("/v1/admin/queue/pending", bound(pending_groups, svc), methods=["GET"]),
+    ]

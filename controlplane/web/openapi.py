@@ -652,15 +652,14 @@ async def openapi_json(request: Request) -> Response:
     """GET /openapi.json: the document for this app's routes, built on first use."""
     state = request.app.state
     if getattr(state, "openapi", None) is None:
-        services = getattr(state, "services", None)
-        state.openapi = document(request.app.routes, services and services.settings)
+        state.openapi = document(request.app.routes, getattr(state, "settings", None))
     return json_response(state.openapi)
 
 
 def main() -> None:
     from controlplane.web import app  # imported here: app imports this module
 
-    # build() only stores the services on the app state; routes do not need them.
+    # Built without a replica: the routes are described, never served.
     sys.stdout.buffer.write(encode(document(app.build(None).routes)))
 
 

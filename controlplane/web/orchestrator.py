@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from uuid import UUID
 
 import anyio
+import asyncpg
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from controlplane import metrics
+from controlplane.actors.feed import FeedWatch
 from controlplane.domain.jobs import JobIdentity, NewJob, Outcome
 from controlplane.domain.labels import canonicalise
 from controlplane.domain.waiting import why_waiting
 from controlplane.errors import InvalidInput, NotFound, PayloadTooLarge
+from controlplane.settings import Settings
 from controlplane.store import events, executions, job_views, leases, queue
 from controlplane.store.credentials import Credential
 from controlplane.web import auth, jobs
@@ -28,8 +32,18 @@ from controlplane.web.edge import (
     query_value,
     read_json,
 )
-from controlplane.web.services import Services
+from controlplane.web.endpoints import bound
 from controlplane.wire import orchestrator as wire
+
+
+@dataclass(frozen=True, slots=True)
+class Deps:
+    settings: Settings
+    pool: asyncpg.Pool
+    auth: auth.Authenticator
+    feed: FeedWatch  # wakes held event reads
+    closing: anyio.Event  # set at shutdown: a released event read answers without a re-read
+
 
 # A cursor's parts as PostgreSQL types them: the transaction id is xid8 (unsigned 64-bit), the
 # sequence bigint (signed 64-bit). Checked here, so a larger one is 400, not a failed query.
@@ -79,9 +93,8 @@ def _new_job(job: wire.EnqueueJob, max_payload: int, index: int) -> NewJob:
     )
 
 
-async def enqueue(request: Request) -> Response:
-    svc = auth.services(request)
-    key = await auth.api_key(request, "orchestrator")
+async def enqueue(svc: Deps, request: Request) -> Response:
+    key = await svc.auth.orchestrator(request)
     body = await read_json(request, wire.EnqueueRequest, svc.settings.server.max_body_bytes)
     if len(body.jobs) > svc.settings.queue.max_batch_size:
         raise InvalidInput(
@@ -111,7 +124,7 @@ async def enqueue(request: Request) -> Response:
 
 
 async def _visible_state(
-    svc: Services, key: Credential, execution: UUID
+    svc: Deps, key: Credential, execution: UUID
 ) -> executions.ExecutionState | None:
     async with svc.pool.acquire() as conn:
         found = await executions.state(conn, execution)
@@ -126,12 +139,11 @@ async def _visible_state(
     return found or executions.ExecutionState(execution, "unknown", None)
 
 
-async def report_outcome(request: Request) -> Response:
+async def report_outcome(svc: Deps, request: Request) -> Response:
     """The orchestrator says the execution is over. A workspace-scoped key can only end
     executions of its workspace that we know; an installation key may end unknown ones too
     (a tombstone then stops a late enqueue from resurrecting it)."""
-    svc = auth.services(request)
-    key = await auth.api_key(request, "orchestrator")
+    key = await svc.auth.orchestrator(request)
     execution = path_uuid(request, "job_execution_id")
     body = await read_json(request, wire.OutcomeRequest, svc.settings.server.max_body_bytes)
     if await _visible_state(svc, key, execution) is None:
@@ -147,9 +159,8 @@ async def report_outcome(request: Request) -> Response:
     )
 
 
-async def execution_state(request: Request) -> Response:
-    svc = auth.services(request)
-    key = await auth.api_key(request, "orchestrator")
+async def execution_state(svc: Deps, request: Request) -> Response:
+    key = await svc.auth.orchestrator(request)
     execution = path_uuid(request, "job_execution_id")
     found = await _visible_state(svc, key, execution)
     if found is None or found.state == "unknown":
@@ -177,10 +188,9 @@ async def execution_state(request: Request) -> Response:
     )
 
 
-async def read_events(request: Request) -> Response:
+async def read_events(svc: Deps, request: Request) -> Response:
     """Events after `after` (a cursor), oldest first; with `wait`, held until some arrive."""
-    svc = auth.services(request)
-    key = await auth.api_key(request, "orchestrator")
+    key = await svc.auth.orchestrator(request)
     after = _event_cursor(request)
     workspace = query_uuid(request, "workspace_id")
     if workspace is None:
@@ -217,7 +227,7 @@ async def read_events(request: Request) -> Response:
 
 async def _held_read(
     request: Request,
-    svc: Services,
+    svc: Deps,
     key: Credential,
     after: tuple[int, int],
     workspace: UUID | None,
@@ -234,7 +244,7 @@ async def _held_read(
             async with svc.pool.acquire() as conn:
                 found = await events.read(conn, after=after, workspace_id=workspace, limit=limit)
             remaining = deadline - anyio.current_time()
-            if found or remaining <= 0 or svc.closing:
+            if found or remaining <= 0 or svc.closing.is_set():
                 return found
             if await _client_left(request, woken, remaining) or not woken.is_set():
                 return found  # the client left, or `wait` passed with nothing new
@@ -260,9 +270,10 @@ async def _client_left(request: Request, woken: anyio.Event, seconds: float) -> 
     return left
 
 
-routes = [
-    Route("/v1/jobs", enqueue, methods=["POST"]),
-    Route("/v1/jobs/{job_execution_id}", execution_state, methods=["GET"]),
-    Route("/v1/jobs/{job_execution_id}/outcome", report_outcome, methods=["POST"]),
-    Route("/v1/events", read_events, methods=["GET"]),
-]
+def routes(svc: Deps | None) -> list[BaseRoute]:
+    return [
+        Route("/v1/jobs", bound(enqueue, svc), methods=["POST"]),
+        Route("/v1/jobs/{job_execution_id}", bound(execution_state, svc), methods=["GET"]),
+        Route("/v1/jobs/{job_execution_id}/outcome", bound(report_outcome, svc), methods=["POST"]),
+        Route("/v1/events", bound(read_events, svc), methods=["GET"]),
+    ]

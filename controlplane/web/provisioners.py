@@ -7,15 +7,17 @@ from datetime import timedelta
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from controlplane.domain import tokens
+from controlplane.domain.credential_rules import Family, NewCredential, lifetime
 from controlplane.errors import InvalidInput
-from controlplane.store import provisioners
+from controlplane.store import credentials, provisioners
 from controlplane.store.pool import Conn
 from controlplane.store.provisioners import Provisioner
-from controlplane.web import auth
+from controlplane.web import admin
 from controlplane.web.edge import json_response, path_uuid, query_only, query_uuid, read_json
+from controlplane.web.endpoints import bound
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.paging import PAGE_QUERY, cut, page_of
 from controlplane.wire import admin as admin_wire
@@ -23,6 +25,10 @@ from controlplane.wire import provisioners as wire
 
 # A provisioner seen this recently (and not revoked or expired) is active, as in the reference.
 ACTIVE_WITHIN = timedelta(seconds=120)
+
+
+# What the other admin routes need: the provisioner tokens are administered alike.
+Deps = admin.Deps
 
 
 def _out(found: Provisioner) -> wire.ProvisionerTokenOut:
@@ -40,8 +46,8 @@ def _out(found: Provisioner) -> wire.ProvisionerTokenOut:
     )
 
 
-async def me(request: Request) -> Response:
-    found = await auth.provisioner(request)
+async def me(svc: Deps, request: Request) -> Response:
+    found = await svc.auth.provisioner(request)
     return json_response(
         wire.ProvisionerIdentity(
             id=found.id,
@@ -51,26 +57,25 @@ async def me(request: Request) -> Response:
     )
 
 
-async def create_token(request: Request) -> Response:
-    actor = await auth.api_key(request, "admin")
-    svc = auth.services(request)
+async def create_token(svc: Deps, request: Request) -> Response:
+    actor = await svc.auth.admin(request)
     body = await read_json(request, wire.CreateProvisionerToken, svc.settings.server.max_body_bytes)
-    ttl = None if body.ttl_seconds is None else timedelta(seconds=body.ttl_seconds)
+    new = NewCredential(
+        Family.PROVISIONER, body.name, body.workspace_id, lifetime(body.ttl_seconds)
+    )
 
     async def create(conn: Conn, token: tokens.Opaque | None) -> tuple[Provisioner, str]:
-        return await provisioners.create(
-            conn, name=body.name, workspace_id=body.workspace_id, ttl=ttl, token=token
-        )
+        return await credentials.issue_provisioner(conn, new, token)
 
     created, raw = await create_once(
-        request, svc, actor, "provisioner_token.create", body, tokens.Kind.PROVISIONER,
+        request, svc, actor, "provisioner_token.create", body, new.family.token_kind,
         create, provisioners.by_id, lambda found: found.id,
     )  # fmt: skip
     return json_response(wire.CreatedProvisionerToken(provisioner=_out(created), token=raw), 201)
 
 
-async def list_tokens(request: Request) -> Response:
-    svc = await auth.admin(request)
+async def list_tokens(svc: Deps, request: Request) -> Response:
+    await svc.auth.admin(request)
     query_only(request, "workspace_id", "active", *PAGE_QUERY)
     workspace = query_uuid(request, "workspace_id")
     active = request.query_params.get("active")
@@ -88,13 +93,12 @@ async def list_tokens(request: Request) -> Response:
     )
 
 
-async def revoke_token(request: Request) -> Response:
+async def revoke_token(svc: Deps, request: Request) -> Response:
     """Any provisioner token, of either scope: admin keys are installation-wide, so there is no
     workspace token this route must refuse (the reference's 404 for one, S-70, does not apply).
     The first revocation cascades (store/provisioners.py); a replay with the same
     Idempotency-Key answers the first answer without calling the store."""
-    actor = await auth.api_key(request, "admin")
-    svc = auth.services(request)
+    actor = await svc.auth.admin(request)
     token_id = path_uuid(request, "id")
     body = await read_json(
         request, admin_wire.Revoke, svc.settings.server.max_body_bytes, optional=True
@@ -109,9 +113,12 @@ async def revoke_token(request: Request) -> Response:
     return Response(answer, 200, media_type="application/json")
 
 
-routes = [
-    Route("/v1/provisioners/me", me, methods=["GET"]),
-    Route("/v1/admin/provisioner-tokens", create_token, methods=["POST"]),
-    Route("/v1/admin/provisioner-tokens", list_tokens, methods=["GET"]),
-    Route("/v1/admin/provisioner-tokens/{id}/revoke", revoke_token, methods=["POST"]),
-]
+def routes(svc: Deps | None) -> list[BaseRoute]:
+    return [
+        Route("/v1/provisioners/me", bound(me, svc), methods=["GET"]),
+        Route("/v1/admin/provisioner-tokens", bound(create_token, svc), methods=["POST"]),
+        Route("/v1/admin/provisioner-tokens", bound(list_tokens, svc), methods=["GET"]),
+        Route(
+            "/v1/admin/provisioner-tokens/{id}/revoke", bound(revoke_token, svc), methods=["POST"]
+        ),
+    ]

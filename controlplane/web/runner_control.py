@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from uuid import UUID
 
 import anyio
+import asyncpg
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from controlplane import metrics
 from controlplane.actors.assignments import AssignmentBoard
-from controlplane.domain.labels import canonicalise, strip_reserved
+from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
 from controlplane.errors import InvalidInput, RunnerLabelsReserved
+from controlplane.settings import Settings
 from controlplane.store import fleet, runner_instances
 from controlplane.web import auth
 from controlplane.web.edge import hold as hold_until
 from controlplane.web.edge import json_response, query_integer, query_only, read_json
-from controlplane.web.services import Services
+from controlplane.web.endpoints import bound
 from controlplane.wire.runner_control import (
     ActivationResponse,
     ControlHeartbeatResponse,
@@ -43,18 +46,16 @@ RECHECK_SECONDS = 1.0
 _WAIT_QUERY_HIGH = 2**31 - 1
 
 
-def board(request: Request) -> AssignmentBoard:
-    """This app's assignment board (one per app; the listener feeds its `notify`)."""
-    state = request.app.state
-    found = getattr(state, "assignments", None)
-    if found is None:
-        found = state.assignments = AssignmentBoard()
-    assert isinstance(found, AssignmentBoard)
-    return found
+@dataclass(frozen=True, slots=True)
+class Deps:
+    settings: Settings
+    pool: asyncpg.Pool
+    auth: auth.Authenticator
+    reserved_labels: LabelSet
+    assignments: AssignmentBoard  # wakes parked assignment polls; the listener feeds it
 
 
-async def exchange(request: Request) -> Response:
-    svc = auth.services(request)
+async def exchange(svc: Deps, request: Request) -> Response:
     body = await read_json(request, ExchangeRequest, svc.settings.server.max_body_bytes)
     ttl = timedelta(seconds=svc.settings.provisioners.control_session_ttl_seconds)
     try:
@@ -79,7 +80,7 @@ async def exchange(request: Request) -> Response:
     )
 
 
-async def _observe_created_to_control_session(svc: Services, runner_id: UUID) -> None:
+async def _observe_created_to_control_session(svc: Deps, runner_id: UUID) -> None:
     try:
         async with svc.pool.acquire() as conn:
             since = await fleet.since_created(conn, runner_id)
@@ -115,12 +116,11 @@ def _count_enrollment(enrolled: runner_instances.Enrollment) -> None:
         metrics.activation_not_issued.labels(enrolled.not_issued, "enrollment").inc()
 
 
-async def enrollment(request: Request) -> Response:
-    svc = auth.services(request)
+async def enrollment(svc: Deps, request: Request) -> Response:
     body = await read_json(request, EnrollmentRequest, svc.settings.server.max_body_bytes)
     if body.capabilities is not None and (duplicates := body.capabilities.duplicate_tools()):
         raise InvalidInput("capabilities list a tool twice", duplicates=duplicates)
-    session = await auth.control_session(request)
+    session = await svc.auth.control_session(request)
     supplied = canonicalise(body.labels)
     labels = supplied
     if session.provisioner_scope != "installation":
@@ -154,10 +154,9 @@ async def enrollment(request: Request) -> Response:
     return json_response(ActivationResponse(activation_token=enrolled.activation_token))
 
 
-async def provider_runner(request: Request) -> Response:
-    svc = auth.services(request)
+async def provider_runner(svc: Deps, request: Request) -> Response:
     body = await read_json(request, ProviderRunnerRequest, svc.settings.server.max_body_bytes)
-    session = await auth.control_session(request)
+    session = await svc.auth.control_session(request)
     async with svc.pool.acquire() as conn:
         attached = await runner_instances.attach_provider_runner(
             conn, session.provisioner_id, session.runner_instance_id, body.provider_runner_id
@@ -165,9 +164,8 @@ async def provider_runner(request: Request) -> Response:
     return json_response(ProviderRunnerResponse(attached=attached))
 
 
-async def heartbeat(request: Request) -> Response:
-    svc = auth.services(request)
-    session = await auth.control_session(request)
+async def heartbeat(svc: Deps, request: Request) -> Response:
+    session = await svc.auth.control_session(request)
     async with svc.pool.acquire() as conn:
         await runner_instances.heartbeat(conn, session)
     metrics.control_heartbeats.inc()
@@ -204,17 +202,16 @@ async def await_activation(
             return None
 
 
-async def assignment(request: Request) -> Response:
-    svc = auth.services(request)
+async def assignment(svc: Deps, request: Request) -> Response:
     query_only(request, "wait_seconds")
     cap = svc.settings.provisioners.assignment_poll_max_wait_seconds
     requested = None
     if "wait_seconds" in request.query_params:
         requested = query_integer(request, "wait_seconds", low=1, high=_WAIT_QUERY_HIGH, default=1)
-    session = await auth.control_session(request)
+    session = await svc.auth.control_session(request)
     ttl = timedelta(seconds=svc.settings.provisioners.activation_token_ttl_seconds)
     runner_id = session.runner_instance_id
-    assignments = board(request)
+    assignments = svc.assignments
     armed: list[anyio.Event] = []
 
     async def read() -> str | None:
@@ -250,10 +247,11 @@ async def assignment(request: Request) -> Response:
     return json_response(ActivationResponse(activation_token=token))
 
 
-routes = [
-    Route("/v1/runner-enrollment/exchange", exchange, methods=["POST"]),
-    Route("/v1/runner-control/enrollment", enrollment, methods=["POST"]),
-    Route("/v1/runner-control/provider-runner", provider_runner, methods=["POST"]),
-    Route("/v1/runner-control/heartbeat", heartbeat, methods=["POST"]),
-    Route("/v1/runner-control/assignment", assignment, methods=["GET"]),
-]
+def routes(svc: Deps | None) -> list[BaseRoute]:
+    return [
+        Route("/v1/runner-enrollment/exchange", bound(exchange, svc), methods=["POST"]),
+        Route("/v1/runner-control/enrollment", bound(enrollment, svc), methods=["POST"]),
+        Route("/v1/runner-control/provider-runner", bound(provider_runner, svc), methods=["POST"]),
+        Route("/v1/runner-control/heartbeat", bound(heartbeat, svc), methods=["POST"]),
+        Route("/v1/runner-control/assignment", bound(assignment, svc), methods=["GET"]),
+    ]

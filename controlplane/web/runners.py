@@ -6,16 +6,20 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import anyio
+import asyncpg
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from controlplane import metrics
-from controlplane.actors.dispatch import Waiter, WaiterState
+from controlplane.actors.cancels import CancelBoard
+from controlplane.actors.dispatch import Dispatcher, Waiter, WaiterState
+from controlplane.actors.feed import FeedWatch
 from controlplane.domain import tokens
 from controlplane.domain.jobs import ClaimedJob, Outcome, SessionClaims
 from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
@@ -26,12 +30,13 @@ from controlplane.errors import (
     RunnerLabelsReserved,
     ShuttingDown,
 )
+from controlplane.settings import Settings
 from controlplane.store import ephemeral as ephemeral_store
 from controlplane.store import executions, leases, queue, runner_instances, sessions
 from controlplane.store.pool import borrow
 from controlplane.web import auth
 from controlplane.web.edge import hold, json_response, path_uuid, query_number, read_json
-from controlplane.web.services import Services
+from controlplane.web.endpoints import bound
 from controlplane.wire.common import Capabilities
 from controlplane.wire.runners import (
     CompleteRequest,
@@ -46,19 +51,36 @@ from controlplane.wire.runners import (
 log = logging.getLogger("controlplane.runners")
 
 
+@dataclass(frozen=True, slots=True)
+class Deps:
+    settings: Settings
+    pool: asyncpg.Pool
+    auth: auth.Authenticator
+    dispatcher: Dispatcher  # parks job requests
+    cancels: CancelBoard  # wakes held heartbeats
+    # Told after this replica's own claims and completions, which do not NOTIFY (see
+    # store/events.py): held event-feed reads may have something new (actors/feed.py).
+    feed: FeedWatch
+    closing: anyio.Event  # set at shutdown: a released heartbeat answers without a re-read
+    reserved_labels: LabelSet
+
+    @property
+    def liveness_throttle(self) -> timedelta:
+        return timedelta(seconds=self.settings.runners.liveness_throttle_seconds)
+
+
 def _check_capabilities(capabilities: Capabilities | None) -> None:
     if capabilities is not None and (duplicates := capabilities.duplicate_tools()):
         raise InvalidInput("capabilities list a tool twice", duplicates=duplicates)
 
 
-async def register(request: Request) -> Response:
+async def register(svc: Deps, request: Request) -> Response:
     kind = auth.bearer_kind(request)
     if kind is tokens.Kind.ACTIVATION:
-        return await _register_activation(request)
+        return await _register_activation(svc, request)
     if kind is tokens.Kind.EPHEMERAL_REGISTRATION:
-        return await _register_ephemeral(request)
-    svc = auth.services(request)
-    token = await auth.manual_registration(request)
+        return await _register_ephemeral(svc, request)
+    token = await svc.auth.manual_registration(request)
     body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
     _check_capabilities(body.capabilities)
     supplied = canonicalise(body.labels)
@@ -81,7 +103,7 @@ async def register(request: Request) -> Response:
     log.info("runner.registered", extra={"runner_session_id": str(session.id), "mode": "manual"})
     return json_response(
         RegisterResponse(
-            session_token=auth.mint_session(svc, claims, svc.clock()),
+            session_token=svc.auth.mint_session(claims),
             session_id=session.id,
             mode="manual",
             max_claims=None,
@@ -92,11 +114,10 @@ async def register(request: Request) -> Response:
     )
 
 
-async def _register_activation(request: Request) -> Response:
+async def _register_activation(svc: Deps, request: Request) -> Response:
     """A provisioned runner trades its activation token for a one-claim session (spec 4.7).
     Reserved labels are kept for an installation provisioner's runner, stripped otherwise."""
-    svc = auth.services(request)
-    grant = await auth.activation(request)
+    grant = await svc.auth.activation(request)
     body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
     _check_capabilities(body.capabilities)
     labels = _provisioned_labels(body.labels, grant.provisioner_scope, svc.reserved_labels)
@@ -118,7 +139,7 @@ async def _register_activation(request: Request) -> Response:
     )
     return json_response(
         RegisterResponse(
-            session_token=auth.mint_session(svc, claims, svc.clock()),
+            session_token=svc.auth.mint_session(claims),
             session_id=session.id,
             mode="activation",
             max_claims=session.max_claims,
@@ -129,14 +150,13 @@ async def _register_activation(request: Request) -> Response:
     )
 
 
-async def _register_ephemeral(request: Request) -> Response:
+async def _register_ephemeral(svc: Deps, request: Request) -> Response:
     """A provisioner-minted ephemeral token for a one-claim session (spec 4.15, jobs 3.14).
     Order: token, body, then the attempt is counted against the token's rate limit (so a bad
     body spends no budget, a used token does), then the token is consumed. A 429 or 503 from
     the limiter leaves the token unconsumed. Reserved labels are kept for an installation
     provisioner's token, stripped otherwise."""
-    svc = auth.services(request)
-    grant = await auth.ephemeral_registration(request)
+    grant = await svc.auth.ephemeral_registration(request)
     body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
     _check_capabilities(body.capabilities)
     knobs = svc.settings.provisioners
@@ -183,7 +203,7 @@ async def _register_ephemeral(request: Request) -> Response:
     )
     return json_response(
         RegisterResponse(
-            session_token=auth.mint_session(svc, claims, svc.clock()),
+            session_token=svc.auth.mint_session(claims),
             session_id=session.id,
             mode="ephemeral",
             max_claims=session.max_claims,
@@ -194,7 +214,7 @@ async def _register_ephemeral(request: Request) -> Response:
     )
 
 
-def _job_response(svc: Services, session: SessionClaims, job: ClaimedJob) -> Response:
+def _job_response(svc: Deps, session: SessionClaims, job: ClaimedJob) -> Response:
     lease = auth.Lease(job.identity, session.runner_session_id)
     return json_response(
         JobResponse(
@@ -204,7 +224,7 @@ def _job_response(svc: Services, session: SessionClaims, job: ClaimedJob) -> Res
             workflow_run_attempt_id=job.identity.workflow_run_attempt_id,
             required_labels=list(job.required_labels),
             payload=job.payload,
-            lease_token=auth.mint_lease(svc, lease, svc.clock()),
+            lease_token=svc.auth.mint_lease(lease),
             heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,
             output_tail_bytes=svc.settings.runners.output_tail_bytes,
         )
@@ -232,10 +252,10 @@ def _nothing() -> Response:
     return Response(status_code=204, headers={"Retry-After": "0"})
 
 
-async def request_job(request: Request) -> Response:
+async def request_job(svc: Deps, request: Request) -> Response:
     """Hold the request until a job is claimed for this runner, or `wait` seconds pass (204)."""
     started = anyio.current_time()
-    response = await _request_job(request)
+    response = await _request_job(svc, request)
     outcome = "claimed" if response.status_code == 200 else "empty"
     metrics.claims.labels(outcome).inc()
     metrics.dispatch_latency.labels(outcome).observe(anyio.current_time() - started)
@@ -257,9 +277,8 @@ async def _park(request: Request, waiter: Waiter, seconds: float) -> bool:
     return False
 
 
-async def _request_job(request: Request) -> Response:
-    svc = auth.services(request)
-    session = await auth.runner_session(request)
+async def _request_job(svc: Deps, request: Request) -> Response:
+    session = await svc.auth.runner_session(request)
     limit = svc.settings.runners.long_poll_max_seconds
     wait = query_number(request, "wait", low=0, high=limit, default=limit)
     if wait == 0:
@@ -267,7 +286,7 @@ async def _request_job(request: Request) -> Response:
             job = await queue.claim(conn, session, liveness_throttle=svc.liveness_throttle)
         if job is None:
             return _nothing()
-        svc.signal_events()
+        svc.feed.poke()
         return _job_response(svc, session, job)
     waiter = Waiter(session)
     svc.dispatcher.park(waiter)
@@ -289,21 +308,20 @@ async def _request_job(request: Request) -> Response:
             extra={"job_execution_id": str(job.identity.job_execution_id), "why": "disconnected"},
         )
         return _nothing()
-    svc.signal_events()  # its `job.claimed` event is committed
+    svc.feed.poke()  # its `job.claimed` event is committed
     return _job_response(svc, session, job)
 
 
-async def _lease_for(request: Request) -> auth.Lease:
-    lease = await auth.job_lease(request)
+async def _lease_for(svc: Deps, request: Request) -> auth.Lease:
+    lease = await svc.auth.job_lease(request)
     if path_uuid(request, "job_execution_id") != lease.identity.job_execution_id:
         raise LeaseJobMismatch()
     return lease
 
 
-async def heartbeat(request: Request) -> Response:
+async def heartbeat(svc: Deps, request: Request) -> Response:
     """Refresh the lease. With `wait`, hold the answer until a cancel arrives or `wait` passes."""
-    svc = auth.services(request)
-    lease = await _lease_for(request)
+    lease = await _lease_for(svc, request)
     body = await read_json(
         request, HeartbeatRequest, svc.settings.server.max_body_bytes, optional=True
     )
@@ -324,13 +342,11 @@ async def heartbeat(request: Request) -> Response:
         cancel = result.cancellation_requested
         if not cancel and wait > 0:
             await hold(request, cancelled, wait)
-            if cancelled.is_set() and not svc.closing:
+            if cancelled.is_set() and not svc.closing.is_set():
                 async with svc.pool.acquire() as conn:
                     cancel = await executions.cancel_requested(conn, execution, session_id)
     renewed = auth.Lease(result.identity, session_id)
-    return json_response(
-        HeartbeatResponse(cancel=cancel, lease_token=auth.mint_lease(svc, renewed, svc.clock()))
-    )
+    return json_response(HeartbeatResponse(cancel=cancel, lease_token=svc.auth.mint_lease(renewed)))
 
 
 def _kept_tail(reported: str | None, limit: int) -> str | None:
@@ -341,9 +357,8 @@ def _kept_tail(reported: str | None, limit: int) -> str | None:
     return tail_of_text(reported, limit)
 
 
-async def complete(request: Request) -> Response:
-    svc = auth.services(request)
-    lease = await _lease_for(request)
+async def complete(svc: Deps, request: Request) -> Response:
+    lease = await _lease_for(svc, request)
     body = await read_json(request, CompleteRequest, svc.settings.server.max_body_bytes)
     async with svc.pool.acquire() as conn:
         ended = await leases.complete(
@@ -355,7 +370,7 @@ async def complete(request: Request) -> Response:
             _kept_tail(body.output_tail, svc.settings.runners.output_tail_bytes),
         )
     if ended.newly_ended:
-        svc.signal_events()  # its `job.completed` event is committed
+        svc.feed.poke()  # its `job.completed` event is committed
     metrics.completed.labels(body.outcome).inc()
     if log.isEnabledFor(logging.INFO):  # spares a random request id per job when not logged
         log.info(
@@ -369,9 +384,16 @@ async def complete(request: Request) -> Response:
     return json_response(CompleteResponse(recorded=ended.newly_ended))
 
 
-routes = [
-    Route("/v1/runners/register", register, methods=["POST"]),
-    Route("/v1/runners/jobs/request", request_job, methods=["POST"]),
-    Route("/v1/runners/jobs/{job_execution_id}/heartbeat", heartbeat, methods=["POST"]),
-    Route("/v1/runners/jobs/{job_execution_id}/complete", complete, methods=["POST"]),
-]
+def routes(svc: Deps | None) -> list[BaseRoute]:
+    return [
+        Route("/v1/runners/register", bound(register, svc), methods=["POST"]),
+        Route("/v1/runners/jobs/request", bound(request_job, svc), methods=["POST"]),
+        Route(
+            "/v1/runners/jobs/{job_execution_id}/heartbeat",
+            bound(heartbeat, svc),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/runners/jobs/{job_execution_id}/complete", bound(complete, svc), methods=["POST"]
+        ),
+    ]

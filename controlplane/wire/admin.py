@@ -9,6 +9,7 @@ from uuid import UUID
 
 import msgspec
 
+from controlplane.domain.credential_rules import Family, scope_problem
 from controlplane.wire.common import PLAIN_TEXT_PATTERN, Name, Strict, whole
 
 # A float that is a whole number: JSON Schema's `integer` admits 5.0 as well as 5.
@@ -59,8 +60,8 @@ class CreateApiKey(Strict):
     }
 
     def __post_init__(self) -> None:
-        if self.kind == "admin" and self.workspace_id is not None:
-            raise ValueError("admin keys are installation-wide: omit workspace_id")
+        if problem := scope_problem(Family(self.kind), self.workspace_id, field="workspace_id"):
+            raise ValueError(problem)
         self.ttl_seconds = whole(self.ttl_seconds)
 
 

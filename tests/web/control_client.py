@@ -21,8 +21,8 @@ def url(daemon: app.Daemon) -> str:
 
 
 def registry(daemon: app.Daemon) -> ControlSessions:
-    assert daemon.services is not None
-    return daemon.services.control
+    assert daemon.replica is not None
+    return daemon.replica.control
 
 
 async def open_session(daemon: app.Daemon, token: str | None) -> ClientConnection:

@@ -125,9 +125,9 @@ async def test_s65_a_replay_after_the_signing_key_rotated_is_unavailable(
     body = {"kind": "orchestrator", "name": "rotating"}
     assert (await api.http.post(KEYS, json=body, headers=_headers(api, "r"))).status_code == 201
     await credentials.rotate_signing_key(db)
-    services = api.daemon.services
-    assert services is not None
-    await services.keys.load()
+    replica = api.daemon.replica
+    assert replica is not None
+    await replica.keys.load()
     replay = await api.http.post(KEYS, json=body, headers=_headers(api, "r"))
     assert replay.status_code == 409
     assert replay.json()["error"]["code"] == "idempotency-replay-unavailable"

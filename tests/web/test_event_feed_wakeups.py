@@ -61,8 +61,8 @@ async def test_held_reads_beyond_the_per_key_cap_get_429_and_a_client_that_leave
         daemon_context(database_url, config) as daemon,
         httpx.AsyncClient(base_url=daemon.address, timeout=30) as http,
     ):
-        assert daemon.services is not None
-        feed = daemon.services.feed
+        assert daemon.replica is not None
+        feed = daemon.replica.feed
 
         async def hold(token: str, scope: anyio.CancelScope) -> None:
             with scope:
@@ -105,8 +105,8 @@ async def test_a_held_read_is_read_again_only_when_its_own_feed_grew(database_ur
         daemon_context(proxy.url, web.test_settings(runners__long_poll_max_seconds=60)) as daemon,
         httpx.AsyncClient(base_url=daemon.address, timeout=30) as http,
     ):
-        assert daemon.services is not None
-        feed = daemon.services.feed
+        assert daemon.replica is not None
+        feed = daemon.replica.feed
 
         async def claim_one(workspace: uuid.UUID) -> None:
             api = web.Api(http=http, database_url=database_url, daemon=daemon, workspace=workspace)

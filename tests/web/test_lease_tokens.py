@@ -14,12 +14,12 @@ async def test_j44_claim_mints_a_lease_token_carrying_the_job_identity(api: Api)
     assert response.status_code == 200
     body = response.json()
     assert "steps" not in body
-    services = api.daemon.services
-    assert services is not None
+    replica = api.daemon.replica
+    assert replica is not None
     claims = tokens.verify(
         body["lease_token"],
         tokens.Kind.JOB_LEASE,
-        await services.keys.keys_for(body["lease_token"]),
+        await replica.keys.keys_for(body["lease_token"]),
         datetime.now(UTC),
     )
     assert claims["ex"] == job["job_execution_id"]

@@ -75,8 +75,8 @@ def _identity(job: dict[str, str]) -> JobIdentity:
 
 
 async def test_gauges_and_the_put_back_and_expiry_counters_move(api: Api) -> None:
-    services = api.daemon.services
-    assert services is not None
+    replica = api.daemon.replica
+    assert replica is not None
     before = await _scrape(api)
     registered = await api.http.post(
         "/v1/runners/register",
@@ -91,7 +91,7 @@ async def test_gauges_and_the_put_back_and_expiry_counters_move(api: Api) -> Non
     async with anyio.create_task_group() as group:
         group.start_soon(api.request_job, parked, 5)
         with anyio.fail_after(10):
-            while services.dispatcher.parked == 0:
+            while replica.dispatcher.parked == 0:
                 await anyio.sleep(0.01)
         # The cluster gauges are read from the database at most once per
         # health.refresh_seconds, so they may trail the enqueue by that much.
@@ -110,7 +110,7 @@ async def test_gauges_and_the_put_back_and_expiry_counters_move(api: Api) -> Non
             await anyio.sleep(0.05)
     now = datetime.now(UTC)
     undelivered = ClaimedJob(_identity(job), ("linux",), {}, now, now)
-    await services.dispatcher.put_back(undelivered, session_id)  # as if the runner had gone
+    await replica.dispatcher.put_back(undelivered, session_id)  # as if the runner had gone
     assert (await api.request_job(session)).status_code == 200
     conn = await asyncpg.connect(api.database_url)
     try:

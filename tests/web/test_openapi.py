@@ -32,11 +32,11 @@ async def test_committed_document_is_the_default_settings_one_and_served_with_ow
 ) -> None:
     """docs/openapi.json is the document of the built-in defaults; a daemon serves its own
     limits (this one's long_poll_max_seconds is 10, not the default 50)."""
-    assert api.daemon.services is not None
-    routes = web_app.build(api.daemon.services).routes
+    assert api.daemon.replica is not None
+    routes = web_app.build(api.daemon.replica).routes
     assert openapi.encode(openapi.document(routes)) == COMMITTED.read_bytes(), REGENERATE
     served = await _served(api)
-    assert served == openapi.document(routes, api.daemon.services.settings)
+    assert served == openapi.document(routes, api.daemon.replica.settings)
     assert served != openapi.document(routes)
     job_wait = served["paths"]["/v1/runners/jobs/request"]["post"]["parameters"][0]
     assert job_wait["schema"]["maximum"] == 10
@@ -116,8 +116,8 @@ async def test_limits_in_the_document_are_the_ones_the_server_applies(api: Api) 
 
 async def test_every_route_is_documented_with_its_methods(api: Api) -> None:
     document = await _served(api)
-    assert api.daemon.services is not None
-    routes = web_app.build(api.daemon.services).routes
+    assert api.daemon.replica is not None
+    routes = web_app.build(api.daemon.replica).routes
     expected = set()
     for route in routes:
         if isinstance(route, WebSocketRoute):

@@ -99,7 +99,7 @@ async def test_readyz_follows_a_postgres_restart_without_restarting_the_daemon(
             "migrations": "ok",
             "listener": "ok",
         }
-        listener = daemon.services.listener if daemon.services else None
+        listener = daemon.replica.listener if daemon.replica else None
         assert listener is not None
         reconnects_before = listener.reconnects
 
@@ -168,7 +168,7 @@ async def test_readyz_follows_a_postgres_restart_without_restarting_the_daemon(
         with anyio.fail_after(15):
             async with anyio.create_task_group() as group:
                 group.start_soon(park)
-                while daemon.services is None or daemon.services.dispatcher.parked < 1:
+                while daemon.replica is None or daemon.replica.dispatcher.parked < 1:
                     await anyio.sleep(0.01)
                 enqueued = await http.post(
                     "/v1/jobs",
@@ -186,8 +186,8 @@ async def test_a_claim_is_not_lost_when_releasing_its_connection_fails(
 ) -> None:
     """The server going away right after a claim committed makes asyncpg's reset-on-release fail;
     the claim must still be returned (it used to raise, and the lease then expired unseen)."""
-    assert api.daemon.services is not None
-    pool = api.daemon.services.pool
+    assert api.daemon.replica is not None
+    pool = api.daemon.replica.pool
     registered = await api.http.post(
         "/v1/runners/register",
         json={"labels": ["linux"]},

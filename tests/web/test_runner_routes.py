@@ -93,9 +93,9 @@ async def lease_row(db: asyncpg.Connection, execution: str) -> asyncpg.Record:
 
 
 async def wait_until_parked(api: Api, count: int) -> None:
-    assert api.daemon.services is not None
+    assert api.daemon.replica is not None
     with anyio.fail_after(5):
-        while api.daemon.services.dispatcher.parked != count:
+        while api.daemon.replica.dispatcher.parked != count:
             await anyio.sleep(0.01)
 
 
@@ -709,8 +709,8 @@ async def test_cancellation_reaches_a_held_heartbeat_before_its_wait_elapses(
     async def runner() -> None:
         answers.append(await heartbeat(api, job.execution, job.lease, wait=10))
 
-    assert api.daemon.services is not None
-    board = api.daemon.services.cancels
+    assert api.daemon.replica is not None
+    board = api.daemon.replica.cancels
     # The whole exchange fits well inside the heartbeat's 10 s wait: it answered on the cancel.
     with anyio.fail_after(5):
         async with anyio.create_task_group() as group:

@@ -22,7 +22,7 @@ async def test_long_poll_gets_job_enqueued_later_then_heartbeat_and_complete(
         group.start_soon(runner)
         # Enqueue only once the runner is parked with the workspace actor.
         with anyio.fail_after(10):
-            while api.daemon.services is None or api.daemon.services.dispatcher.parked == 0:
+            while api.daemon.replica is None or api.daemon.replica.dispatcher.parked == 0:
                 await anyio.sleep(0.01)
         response = await api.enqueue(job)
         assert response.json()["results"][0]["result"] == "enqueued"
