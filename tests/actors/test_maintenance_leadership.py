@@ -77,15 +77,19 @@ class FakeReaperStore:
 
 
 class Rounds:
-    """A job recording when its rounds start."""
+    """A job recording when its rounds start and end; each takes `takes` seconds."""
 
-    def __init__(self, name: str, interval: float) -> None:
+    def __init__(self, name: str, interval: float, *, takes: float = 0) -> None:
         self.name = name
         self.interval = interval
+        self.takes = takes
         self.rounds: list[float] = []
+        self.ends: list[float] = []
 
     async def run_once(self) -> None:
         self.rounds.append(anyio.current_time())
+        await anyio.sleep(self.takes)
+        self.ends.append(anyio.current_time())
 
 
 def _since(start: float, times: list[float]) -> list[float]:
@@ -148,7 +152,7 @@ async def test_nothing_runs_while_another_replica_leads() -> None:
     [("fails", 16), ("hangs", 18)],
     ids=["a-failed-probe", "a-probe-past-its-deadline"],
 )
-async def test_a_probe_that_fails_or_hangs_ends_the_term_and_cancels_the_jobs(
+async def test_a_probe_that_fails_or_hangs_ends_the_term_and_stops_the_jobs(
     probe: str, next_term: float, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Probes every 4 s (t=4, 8, 12) with a 2 s deadline; the one at t=12 fails at once or at
@@ -173,6 +177,26 @@ async def test_a_probe_that_fails_or_hangs_ends_the_term_and_cancels_the_jobs(
     failed = [r for r in caplog.records if r.getMessage() == "maintenance.lead_failed"]
     assert len(failed) == 1
     assert ("gone" if probe == "fails" else "TimeoutError") in failed[0].__dict__["error"]
+
+
+async def test_a_round_in_flight_when_the_lock_is_lost_ends_by_itself_and_none_follows() -> None:
+    """Rounds take 3 s, every 5 s after the last ended: t=0-3, 8-11. The lock is lost at t=9:
+    the round in flight finishes at t=11, no round starts after it, and only then does the
+    leader wait its interval (4 s) and try again (t=15)."""
+    lock, job = FakeLock(), Rounds("job", 5, takes=3)
+    leadership = Leadership(lock, [job], interval=4)
+
+    async def body(start: float) -> None:
+        await anyio.sleep(9)
+        lock.rival = True
+        lock.lose()
+        await anyio.sleep(10)  # t=19
+        assert _since(start, job.rounds) == [0, 8]
+        assert _since(start, job.ends) == [3, 11]
+        assert _since(start, lock.tries) == [0, 15]
+        assert not leadership.leading
+
+    await _leading(leadership, body)
 
 
 async def test_a_database_that_refuses_connections_is_tried_again_every_interval(

@@ -2,7 +2,7 @@
 
 `leadership.Leadership` tries for the leader lock (store/locks.py) every interval; when it wins,
 it starts every job in a task group of its own, and when it loses the lock (its connection ended,
-a probe failed or hung) it cancels them all and goes back to trying. Each job owns one module and
+a probe failed or hung) it stops them all and goes back to trying. Each job owns one module and
 reaches the database through a small store protocol, so its logic is tested on a mock clock with
 a fake store (tests/actors/test_maintenance_*.py):
 

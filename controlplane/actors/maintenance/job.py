@@ -24,14 +24,18 @@ class Job(Protocol):
         ...
 
 
-async def every(job: Job) -> None:
-    """Run `job` now and then `interval` after each round ends, until cancelled."""
+async def every(job: Job, stop: anyio.Event) -> None:
+    """Run `job` now and then `interval` after each round ends, until `stop` is set: at once if
+    it is waiting for its next round, else when the round in flight ends."""
     while True:
         try:
             await job.run_once()
         except Exception as error:
             log.warning("maintenance.round_failed", extra={"job": job.name, "error": repr(error)})
-        await anyio.sleep(job.interval)
+        with anyio.move_on_after(job.interval):
+            await stop.wait()
+        if stop.is_set():
+            return
 
 
 async def drain(step: Callable[[int], Awaitable[int]], batch: int) -> int:

@@ -5,8 +5,12 @@ The lock is a session advisory lock on a dedicated connection (`store.locks.Lead
 holding it means holding that connection. It is lost when the connection ends (noticed at once)
 or when a probe, every `interval`, fails or outlives its deadline (a server that stopped
 answering). Either way we end our session, so the server releases the lock for another replica,
-and cancel every job: a job mid-round is interrupted, which every maintenance statement allows,
-since each is its own transaction and safe on every replica at once.
+and stop every job: none starts another round, and a round in flight is left to end by itself,
+within the pool's deadlines, rather than cancelled. Finishing it is safe, since every
+maintenance statement is its own transaction and safe on every replica at once; cancelling it
+gains nothing and can interrupt asyncpg while it opens a pooled connection, which leaves a
+future's exception unretrieved (a logged error in the daemon, a failure in a test).
+Shutdown still cancels everything, rounds included.
 
 Between tries, and after a loss, the leader waits `interval` (by default the shortest of the
 jobs', the reaper's), so a replica takes over within about one interval of the leader's end.
@@ -86,12 +90,13 @@ class Leadership:
         return won
 
     async def _lead(self) -> None:
-        """Run every job until the lock is lost."""
+        """Run every job until the lock is lost; return once each has stopped."""
+        stop = anyio.Event()
         async with anyio.create_task_group() as jobs:
             for job in self._jobs:
-                jobs.start_soon(every, job, name=f"maintenance.{job.name}")
+                jobs.start_soon(every, job, stop, name=f"maintenance.{job.name}")
             await self._hold()
-            jobs.cancel_scope.cancel()
+            stop.set()
 
     async def _hold(self) -> None:
         """Return once the lock is lost: its session ended, or a probe failed or hung."""
