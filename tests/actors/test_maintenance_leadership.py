@@ -190,7 +190,7 @@ async def test_a_round_in_flight_when_the_lock_is_lost_ends_by_itself_and_none_f
         await anyio.sleep(9)
         lock.rival = True
         lock.lose()
-        await anyio.sleep(10)  # t=19
+        await anyio.sleep(9)  # t=18, between the tries at 15 and 19
         assert _since(start, job.rounds) == [0, 8]
         assert _since(start, job.ends) == [3, 11]
         assert _since(start, lock.tries) == [0, 15]
