@@ -32,7 +32,11 @@ from controlplane.actors.control import ControlSessions
 from controlplane.actors.dispatch import Dispatcher
 from controlplane.actors.feed import FeedWatch
 from controlplane.actors.listener import Listener
-from controlplane.actors.maintenance import Leadership, Maintenance, Provisioning, Retention
+from controlplane.actors.maintenance.leadership import Leadership
+from controlplane.actors.maintenance.provisioning import PoolUpkeepStore, ProvisioningUpkeep
+from controlplane.actors.maintenance.reaper import LeaseReaper, PoolReaperStore
+from controlplane.actors.maintenance.retention import PoolRetentionStore, Retention
+from controlplane.actors.maintenance.sessions import PoolSessionStore, SessionCleanup
 from controlplane.actors.provisioning import DemandBoard
 from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
 from controlplane.domain.labels import LabelSet, canonicalise
@@ -42,6 +46,7 @@ from controlplane.store.credentials import KeyRing
 from controlplane.store.embedded import EmbeddedPostgres
 from controlplane.store.events import EVENTS_CHANNEL
 from controlplane.store.leases import CANCEL_CHANNEL
+from controlplane.store.locks import LeaderLock
 from controlplane.store.pool import PoolSettings, borrow, connect, create_pool
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
 from controlplane.web import app as web_app
@@ -275,35 +280,45 @@ class Daemon:
             closing=anyio.Event(),
         )
         self.replica = replica
-        maintenance = Maintenance(
-            pool,
-            Leadership(connection),
-            rule=StaleRule(
-                threshold=timedelta(seconds=runners.stale_lease_threshold_seconds),
-                grace=timedelta(seconds=runners.no_first_heartbeat_grace_seconds),
-            ),
-            reaper_interval=settings.maintenance.reaper_interval_seconds,
-            reaper_limit=settings.maintenance.reaper_batch_limit,
-            gc_interval=settings.maintenance.session_gc_interval_seconds,
-            gc_limit=settings.maintenance.session_gc_batch_size,
-            manual_retention=timedelta(days=runners.manual_session_retention_days),
-            capped_retention=timedelta(days=runners.capped_session_retention_days),
-            retention=Retention(
-                events=timedelta(days=settings.maintenance.event_retention_days),
-                tombstones=timedelta(days=settings.maintenance.tombstone_retention_days),
-                batch=settings.maintenance.retention_batch_size,
-                interval=settings.maintenance.retention_interval_seconds,
-            ),
-            provisioning=Provisioning(
-                interval=settings.maintenance.provisioning_interval_seconds,
-                stale_threshold=timedelta(
-                    seconds=settings.provisioners.stale_runner_threshold_seconds
+        maintain = settings.maintenance
+        maintenance = Leadership(
+            LeaderLock(connection),
+            [
+                LeaseReaper(
+                    PoolReaperStore(pool),
+                    rule=StaleRule(
+                        threshold=timedelta(seconds=runners.stale_lease_threshold_seconds),
+                        grace=timedelta(seconds=runners.no_first_heartbeat_grace_seconds),
+                    ),
+                    interval=maintain.reaper_interval_seconds,
+                    limit=maintain.reaper_batch_limit,
                 ),
-                reaper_limit=settings.provisioners.stale_runner_reaper_limit,
-                ephemeral_retention=timedelta(
-                    days=settings.provisioners.ephemeral_token_retention_days
+                SessionCleanup(
+                    PoolSessionStore(pool),
+                    interval=maintain.session_gc_interval_seconds,
+                    limit=maintain.session_gc_batch_size,
+                    manual_retention=timedelta(days=runners.manual_session_retention_days),
+                    capped_retention=timedelta(days=runners.capped_session_retention_days),
                 ),
-            ),
+                Retention(
+                    PoolRetentionStore(pool),
+                    interval=maintain.retention_interval_seconds,
+                    events=timedelta(days=maintain.event_retention_days),
+                    tombstones=timedelta(days=maintain.tombstone_retention_days),
+                    batch=maintain.retention_batch_size,
+                ),
+                ProvisioningUpkeep(
+                    PoolUpkeepStore(pool),
+                    interval=maintain.provisioning_interval_seconds,
+                    stale_threshold=timedelta(
+                        seconds=settings.provisioners.stale_runner_threshold_seconds
+                    ),
+                    reaper_limit=settings.provisioners.stale_runner_reaper_limit,
+                    ephemeral_retention=timedelta(
+                        days=settings.provisioners.ephemeral_token_retention_days
+                    ),
+                ),
+            ],
         )
         server = http_server.build(web_app.build(replica), settings)
         sock = http_server.bind(settings.server.host, settings.server.port)

@@ -52,6 +52,7 @@ from controlplane import metrics
 from controlplane.domain.jobs import ClaimedJob, SessionClaims
 from controlplane.domain.labels import LabelSet
 from controlplane.errors import ControlPlaneError, ShuttingDown, Unavailable
+from controlplane.retry import Backoff
 from controlplane.store.queue import MAX_BATCH, ProvisionedClaim
 
 log = logging.getLogger("controlplane.dispatch")
@@ -153,8 +154,9 @@ async def put_back(store: ClaimStore, job: ClaimedJob, runner_session_id: UUID) 
     to outages over about a second.
     """
     execution = job.identity.job_execution_id
+    retry = Backoff(0.25, 0.25 * _PUT_BACK_ATTEMPTS, linear=True)  # 0.25 s, then 0.5 s
     with anyio.CancelScope(shield=True):
-        for attempt in range(_PUT_BACK_ATTEMPTS):
+        for attempt in range(1, _PUT_BACK_ATTEMPTS + 1):
             try:
                 await store.put_back(execution, runner_session_id)
                 return
@@ -163,11 +165,12 @@ async def put_back(store: ClaimStore, job: ClaimedJob, runner_session_id: UUID) 
                     "dispatch.put_back_failed",
                     extra={
                         "job_execution_id": str(execution),
-                        "attempt": attempt + 1,
+                        "attempt": attempt,
                         "error": repr(error),
                     },
                 )
-                await anyio.sleep(0.25 * (attempt + 1))
+            if attempt < _PUT_BACK_ATTEMPTS:  # after the last, the reaper's grace takes over
+                await anyio.sleep(retry.next())
 
 
 class WorkspaceActor:

@@ -28,8 +28,8 @@ import msgspec
 from anyio.abc import Process
 
 from controlplane.agent.api import bearer, describe, error_code
-from controlplane.agent.backoff import Backoff
 from controlplane.domain.output import OutputTail
+from controlplane.retry import Backoff
 from controlplane.wire.runners import CompleteResponse, HeartbeatResponse, JobResponse
 
 log = logging.getLogger("controlplane.agent.job")
@@ -229,7 +229,7 @@ class JobRun:
         if self.job.output_tail_bytes > 0:
             body["output_tail"] = self.output.text()
         extra = {**self._ids, "outcome": outcome, "exit_code": exit_code}
-        backoff = Backoff()
+        backoff = Backoff.full_jitter()
         for _ in range(COMPLETE_ATTEMPTS):
             try:
                 response = await self._http.post(path, json=body, headers=bearer(self._lease))

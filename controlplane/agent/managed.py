@@ -23,7 +23,7 @@ import anyio
 import httpx
 
 from controlplane.agent import api
-from controlplane.agent.backoff import Backoff
+from controlplane.retry import Backoff
 
 log = logging.getLogger("controlplane.agent.managed")
 
@@ -44,7 +44,7 @@ async def _post(
 
 async def _retrying(what: str, call: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
     """Run `call` until it answers anything but a transport error or a 5xx."""
-    backoff = Backoff()
+    backoff = Backoff.full_jitter()
     while True:
         try:
             response = await call()

@@ -36,7 +36,7 @@ import anyio
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from controlplane.agent.backoff import Backoff
+from controlplane.retry import Backoff
 
 log = logging.getLogger("controlplane.agent.provisioner")
 
@@ -107,7 +107,7 @@ class LocalProvisioner:
         self._spawn: Callable[..., object] = lambda *_args: None
         # Runners failing right after their start (a broken image, a bad URL) back launches off
         # instead of relaunching them every second.
-        self._failures = Backoff(base=1.0, cap=60.0)
+        self._failures = Backoff.full_jitter(cap=60.0)
         self._launch_after = 0.0
         self.sessions = 0
         self._load_state()
@@ -142,7 +142,7 @@ class LocalProvisioner:
     # -- session -----------------------------------------------------------------------------------
 
     async def run(self) -> int:
-        backoff = Backoff()
+        backoff = Backoff.full_jitter()
         async with anyio.create_task_group() as group:
             group.start_soon(self._watch_children)
             try:

@@ -34,8 +34,8 @@ import httpx
 import msgspec
 
 from controlplane.agent import api, managed
-from controlplane.agent.backoff import Backoff
 from controlplane.agent.job import Abort, JobRun
+from controlplane.retry import Backoff
 from controlplane.wire.runners import JobResponse, RegisterResponse
 
 log = logging.getLogger("controlplane.agent.runner")
@@ -129,7 +129,7 @@ class Runner:
 
     async def _loop(self, http: httpx.AsyncClient) -> int:
         options = self.options
-        backoff = Backoff(random=self._random)
+        backoff = Backoff.full_jitter(random=self._random)
         idle_since = anyio.current_time()
         failing = False
         while not self._stopping:

@@ -12,7 +12,8 @@ Namespaces:
 * ``workspace``: demand allocation and idle-runner binding for one workspace.
 * ``assignment``: one (provisioner, reservation) pair; several are taken in sorted key order.
 * ``migrations``: the migration runner, as a session lock on a dedicated connection.
-* ``leader``: replica leadership for maintenance, as a session lock on a dedicated connection.
+* ``leader``: replica leadership for maintenance, as a session lock on a dedicated connection
+  (`LeaderLock`, below; actors/maintenance/leadership.py decides what to do with it).
 * ``admin_command``: one (admin key, Idempotency-Key) pair, around an idempotent create.
 * ``ephemeral_mint``: one (workspace, provisioner, provider runner id) triple, while a mint
   checks that the runner has no active ephemeral registration token; several are taken in
@@ -23,6 +24,9 @@ from __future__ import annotations
 
 import hashlib
 from uuid import UUID
+
+from controlplane.store.dedicated import Dedicated
+from controlplane.store.pool import PoolSettings
 
 EXECUTION = "cp_job_execution"
 WORKSPACE = "cp_workspace"
@@ -64,3 +68,54 @@ def ephemeral_mint(workspace_id: UUID, provisioner_id: UUID, provider_runner_id:
 
 MIGRATIONS_KEY = key(MIGRATIONS)
 LEADER_KEY = key(LEADER)
+
+
+class LeaderLock:
+    """The leader lock, `LEADER_KEY`, as a session lock on a dedicated connection: held for as
+    long as that session lives, and released by the server when it ends (`release`, or a lost
+    connection). It is the only lock of its session, and nothing waits for it: `acquire` only
+    tries, so it cannot take part in a deadlock.
+
+    A failed try keeps the connection for the next one. Not safe for concurrent use: one
+    `Leadership` drives it.
+    """
+
+    def __init__(self, settings: PoolSettings) -> None:
+        self._settings = settings
+        self._session: Dedicated | None = None
+        self._held = False
+
+    async def acquire(self) -> bool:
+        """Try the lock, opening a session first if there is none or it was lost; True when we
+        hold it. Asking again while holding it only probes, so the lock is never stacked."""
+        if self._session is None or self._session.lost:
+            self.release()
+            self._session = await Dedicated.open(self._settings)
+        if self._held:
+            await self._session.probe()
+        else:
+            self._held = bool(
+                await self._session.connection.fetchval(
+                    "SELECT pg_try_advisory_lock($1)", LEADER_KEY
+                )
+            )
+        return self._held
+
+    async def probe(self) -> None:
+        """A round trip on the lock's session: raises if it is gone; hangs while the server does
+        (the caller holds the deadline)."""
+        if self._session is None or self._session.lost:
+            raise ConnectionError("the leader lock's connection is gone")
+        await self._session.probe()
+
+    async def wait_lost(self) -> None:
+        """Return once the lock's session has ended (at once when there is none)."""
+        if self._session is not None:
+            await self._session.wait_lost()
+
+    def release(self) -> None:
+        """End the session, which releases the lock; the next `acquire` opens a new one."""
+        if self._session is not None:
+            self._session.close()
+        self._session = None
+        self._held = False

@@ -16,11 +16,11 @@ from uuid import UUID
 import anyio
 import asyncpg
 
-from controlplane.actors.maintenance import Leadership, Maintenance
+from controlplane.actors.maintenance.reaper import LeaseReaper, PoolReaperStore
 from controlplane.domain.jobs import StaleRule
 from controlplane.domain.runner_instances import RunnerState
 from controlplane.store import locks, runner_reports
-from controlplane.store.pool import Conn, PoolSettings
+from controlplane.store.pool import Conn
 from controlplane.store.provisioners import Provisioner
 from controlplane.store.runner_reports import HonoredIntent, RunnerEvent
 from tests import provisioning
@@ -554,18 +554,8 @@ async def test_j65_reaping_the_lease_of_a_terminal_runner_deletes_its_reservatio
         " last_heartbeat_at = now() - interval '1 hour' WHERE job_execution_id = $1",
         execution,
     )
-    maintenance = Maintenance(
-        pool,
-        Leadership(PoolSettings(url="postgresql://unused")),
-        rule=StaleRule(),
-        reaper_interval=1,
-        reaper_limit=10,
-        gc_interval=1,
-        gc_limit=10,
-        manual_retention=timedelta(days=1),
-        capped_retention=timedelta(days=1),
-    )
-    assert await maintenance.reap_once() == 1
+    reaper = LeaseReaper(PoolReaperStore(pool), rule=StaleRule(), interval=1, limit=10)
+    assert await reaper.run_once() == 1
     assert await conn.fetchval("SELECT count(*) FROM running_jobs") == 0
     assert await count_of(conn, res) is None
     assert await released_at(conn, rid) is not None

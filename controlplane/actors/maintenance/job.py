@@ -1,0 +1,49 @@
+"""What every maintenance job is: a name, an interval and one round. The leader runs each in a
+loop of its own (`every`), so a job that fails or hangs never holds up another."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import anyio
+
+log = logging.getLogger("controlplane.maintenance")
+
+
+class Job(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def interval(self) -> float: ...
+
+    async def run_once(self) -> object:
+        """One round. An error ends the round only: the next starts `interval` later."""
+        ...
+
+
+async def every(job: Job, stop: anyio.Event) -> None:
+    """Run `job` now and then `interval` after each round ends, until `stop` is set: at once if
+    it is waiting for its next round, else when the round in flight ends."""
+    while True:
+        try:
+            await job.run_once()
+        except Exception as error:
+            log.warning("maintenance.round_failed", extra={"job": job.name, "error": repr(error)})
+        with anyio.move_on_after(job.interval):
+            await stop.wait()
+        if stop.is_set():
+            return
+
+
+async def drain(step: Callable[[int], Awaitable[int]], batch: int) -> int:
+    """Call `step(batch)`, a statement deleting up to `batch` rows, until one deletes fewer;
+    return how many rows went in all."""
+    total = 0
+    while (n := await step(batch)) > 0:
+        total += n
+        if n < batch:
+            break
+    return total

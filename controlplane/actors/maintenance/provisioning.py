@@ -1,0 +1,152 @@
+"""Provisioning upkeep, every `maintenance.provisioning_interval_seconds`.
+
+A round has three parts, each with its own error handling, so a failure in one skips only that
+part:
+
+1. upkeep: delete expired reservations (unbinding runners that never activated;
+   `demand.delete_expired_reservations`), fail stale runner instances and release their units
+   (`runner_reports.reap_stale_runners`), prune spent bootstrap tokens, control sessions and
+   activation tokens (`retention.prune_runner_credentials`), in that order;
+2. ephemeral-token GC (`ephemeral.prune_ephemeral_tokens`);
+3. the runner-phase gauges (`fleet.phase_counts`), exposed for three intervals.
+
+Each statement is its own transaction, with the locks its store docstring names, and safe on
+every replica at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Protocol, TypeVar
+
+import asyncpg
+
+from controlplane import metrics
+from controlplane.actors.maintenance.job import drain
+from controlplane.store import demand, ephemeral, fleet, retention, runner_reports
+from controlplane.store.fleet import PhaseCount
+
+log = logging.getLogger("controlplane.maintenance")
+
+T = TypeVar("T")
+
+
+class UpkeepStore(Protocol):
+    async def delete_expired_reservations(self, limit: int) -> int: ...
+
+    async def reap_stale_runners(self, threshold: timedelta, limit: int) -> tuple[int, int]:
+        """Fail up to `limit` stale runners and release their units: (reaped, released)."""
+        ...
+
+    async def prune_runner_credentials(self, older_than: timedelta, limit: int) -> int: ...
+
+    async def prune_ephemeral_tokens(self, older_than: timedelta, limit: int) -> int: ...
+
+    async def phase_counts(self) -> list[PhaseCount]: ...
+
+
+class PoolUpkeepStore:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def delete_expired_reservations(self, limit: int) -> int:
+        async with self._pool.acquire() as conn:
+            return await demand.delete_expired_reservations(conn, limit)
+
+    async def reap_stale_runners(self, threshold: timedelta, limit: int) -> tuple[int, int]:
+        async with self._pool.acquire() as conn:
+            return await runner_reports.reap_stale_runners(conn, threshold=threshold, limit=limit)
+
+    async def prune_runner_credentials(self, older_than: timedelta, limit: int) -> int:
+        async with self._pool.acquire() as conn:
+            return await retention.prune_runner_credentials(conn, older_than, limit)
+
+    async def prune_ephemeral_tokens(self, older_than: timedelta, limit: int) -> int:
+        async with self._pool.acquire() as conn:
+            return await ephemeral.prune_ephemeral_tokens(conn, older_than, limit)
+
+    async def phase_counts(self) -> list[PhaseCount]:
+        async with self._pool.acquire() as conn:
+            return await fleet.phase_counts(conn)
+
+
+class ProvisioningUpkeep:
+    name = "provisioning"
+
+    def __init__(
+        self,
+        store: UpkeepStore,
+        *,
+        interval: float,
+        stale_threshold: timedelta,
+        reaper_limit: int,
+        credential_retention: timedelta = timedelta(days=1),
+        ephemeral_retention: timedelta = timedelta(days=7),
+        batch: int = 1000,
+    ) -> None:
+        self._store = store
+        self.interval = interval
+        self._stale_threshold = stale_threshold
+        self._reaper_limit = reaper_limit
+        self._credential_retention = credential_retention
+        self._ephemeral_retention = ephemeral_retention
+        self._batch = batch
+
+    async def run_once(self) -> tuple[int, int, int]:
+        """One round; returns (reservations expired, runners reaped, credentials pruned), where
+        a part that failed counts nothing."""
+        upkeep = await _guarded("provisioning", self._upkeep)
+        tokens = await _guarded("ephemeral_gc", self._prune_ephemeral)
+        await self._count_phases()
+        expired, reaped, released, pruned = upkeep or (0, 0, 0, 0)
+        pruned += tokens or 0
+        if expired or reaped or pruned:
+            log.info(
+                "maintenance.provisioning",
+                extra={
+                    "reservations_expired": expired,
+                    "runners_reaped": reaped,
+                    "units_released": released,
+                    "credentials_pruned": pruned,
+                },
+            )
+        return (expired, reaped, pruned)
+
+    async def _upkeep(self) -> tuple[int, int, int, int]:
+        store = self._store
+        expired = await drain(store.delete_expired_reservations, self._batch)
+        reaped, released = await store.reap_stale_runners(self._stale_threshold, self._reaper_limit)
+        metrics.runners_reaped.inc(reaped)
+        metrics.units_released.labels("maintenance").inc(released)
+        pruned = await store.prune_runner_credentials(self._credential_retention, self._batch)
+        return (expired, reaped, released, pruned)
+
+    async def _prune_ephemeral(self) -> int:
+        return await self._store.prune_ephemeral_tokens(self._ephemeral_retention, self._batch)
+
+    async def _count_phases(self) -> None:
+        """Refresh the by-phase gauges; they stay exposed for three provisioning intervals."""
+        try:
+            counts = await self._store.phase_counts()
+        except Exception as error:  # a metric must never fail the maintenance round
+            log.warning("maintenance.phase_count_failed", extra={"error": repr(error)})
+            return
+        metrics.runner_phases.update(
+            [
+                (c.phase, metrics.provider_label(c.provider_kind), c.launch_kind, c.count,
+                 c.oldest_age_seconds)
+                for c in counts
+            ],
+            fresh_for=3 * self.interval,
+        )  # fmt: skip
+
+
+async def _guarded(part: str, work: Callable[[], Awaitable[T]]) -> T | None:
+    """`work()`, or None when it failed (logged as the round of `part` failing)."""
+    try:
+        return await work()
+    except Exception as error:
+        log.warning("maintenance.round_failed", extra={"job": part, "error": repr(error)})
+        return None

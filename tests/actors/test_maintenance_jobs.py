@@ -1,0 +1,228 @@
+"""Each maintenance job's round with a fake store, on trio with a mock clock: batches, counts,
+and which failures skip what."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import trio.testing
+
+from controlplane import metrics
+from controlplane.actors.maintenance.provisioning import ProvisioningUpkeep
+from controlplane.actors.maintenance.reaper import LeaseReaper
+from controlplane.actors.maintenance.retention import Retention
+from controlplane.actors.maintenance.sessions import SessionCleanup
+from controlplane.domain.jobs import EndedLease, JobIdentity, StaleRule
+from controlplane.store.fleet import PhaseCount
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+
+def _sample(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _lease() -> EndedLease:
+    identity = JobIdentity(*(uuid.uuid4() for _ in range(6)))
+    return EndedLease(identity, None, None, cancellation_requested=False, newly_ended=True)
+
+
+class Batches:
+    """Answers a statement with the next batch size in `sizes`, then 0; records each limit."""
+
+    def __init__(self, *sizes: int) -> None:
+        self.sizes = list(sizes)
+        self.limits: list[int] = []
+
+    def next(self, limit: int) -> int:
+        self.limits.append(limit)
+        return min(self.sizes.pop(0), limit) if self.sizes else 0
+
+
+# The lease reaper ------------------------------------------------------------------------------
+
+
+class FakeReaperStore:
+    def __init__(self, *sizes: int, released: int = 0) -> None:
+        self.batches = Batches(*sizes)
+        self.released = released
+
+    async def reap(self, rule: StaleRule, limit: int) -> tuple[list[EndedLease], int]:
+        return [_lease() for _ in range(self.batches.next(limit))], self.released
+
+
+async def test_the_reaper_repeats_batches_until_one_is_short_and_counts_them() -> None:
+    store = FakeReaperStore(10, 10, 3, 10, released=1)
+    reaper = LeaseReaper(store, rule=StaleRule(), interval=5, limit=10)
+    expired = _sample("controlplane_leases_expired_total")
+    released = _sample("controlplane_reservation_units_released_total", source="maintenance")
+    assert await reaper.run_once() == 23
+    assert store.batches.limits == [10, 10, 10]  # the fourth batch waits for the next round
+    assert _sample("controlplane_leases_expired_total") == expired + 23
+    assert (
+        _sample("controlplane_reservation_units_released_total", source="maintenance")
+        == released + 3
+    )
+
+
+async def test_an_idle_reaper_round_is_one_statement() -> None:
+    store = FakeReaperStore()
+    assert await LeaseReaper(store, rule=StaleRule(), interval=5, limit=10).run_once() == 0
+    assert store.batches.limits == [10]
+
+
+# Session cleanup -------------------------------------------------------------------------------
+
+
+async def test_session_cleanup_asks_for_each_retention_and_its_limit() -> None:
+    asked: list[dict[str, Any]] = []
+
+    class Store:
+        async def collect_garbage(self, **kwargs: Any) -> int:
+            asked.append(kwargs)
+            return 4
+
+    cleanup = SessionCleanup(
+        Store(),
+        interval=300,
+        limit=1000,
+        manual_retention=timedelta(days=1),
+        capped_retention=timedelta(days=7),
+    )
+    assert await cleanup.run_once() == 4
+    assert asked == [
+        {
+            "manual_retention": timedelta(days=1),
+            "capped_retention": timedelta(days=7),
+            "limit": 1000,
+        }
+    ]
+
+
+# Retention -------------------------------------------------------------------------------------
+
+
+class FakeRetentionStore:
+    def __init__(self, events: Batches, tombstones: Batches) -> None:
+        self.events, self.tombstones = events, tombstones
+        self.ages: list[tuple[str, timedelta]] = []
+
+    async def prune_events(self, older_than: timedelta, limit: int) -> int:
+        self.ages.append(("events", older_than))
+        return self.events.next(limit)
+
+    async def prune_tombstones(self, older_than: timedelta, limit: int) -> int:
+        self.ages.append(("tombstones", older_than))
+        return self.tombstones.next(limit)
+
+
+async def test_retention_drains_events_then_tombstones_in_batches() -> None:
+    store = FakeRetentionStore(Batches(100, 100, 100), Batches(100, 7))
+    job = Retention(
+        store,
+        interval=3600,
+        events=timedelta(days=30),
+        tombstones=timedelta(days=90),
+        batch=100,
+    )
+    assert await job.run_once() == (300, 107)
+    assert store.events.limits == [100] * 4  # a full batch asks again; the empty one ends it
+    assert store.tombstones.limits == [100] * 2
+    assert {age for kind, age in store.ages if kind == "events"} == {timedelta(days=30)}
+    assert {age for kind, age in store.ages if kind == "tombstones"} == {timedelta(days=90)}
+
+
+# Provisioning upkeep ---------------------------------------------------------------------------
+
+
+class FakeUpkeepStore:
+    def __init__(self) -> None:
+        self.reservations = Batches(2)
+        self.calls: list[str] = []
+        self.broken: set[str] = set()  # the calls that raise
+        self.phases = [PhaseCount("idle", "docker", "warm", 3, 12.5)]
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name in self.broken:
+            raise ConnectionResetError(f"{name} lost its connection")
+
+    async def delete_expired_reservations(self, limit: int) -> int:
+        self._call("reservations")
+        return self.reservations.next(limit)
+
+    async def reap_stale_runners(self, threshold: timedelta, limit: int) -> tuple[int, int]:
+        self._call("runners")
+        return (4, 2)
+
+    async def prune_runner_credentials(self, older_than: timedelta, limit: int) -> int:
+        self._call("credentials")
+        return 5
+
+    async def prune_ephemeral_tokens(self, older_than: timedelta, limit: int) -> int:
+        self._call("ephemeral")
+        return 6
+
+    async def phase_counts(self) -> list[PhaseCount]:
+        self._call("phases")
+        return self.phases
+
+
+def _upkeep(store: FakeUpkeepStore) -> ProvisioningUpkeep:
+    return ProvisioningUpkeep(
+        store, interval=10, stale_threshold=timedelta(seconds=300), reaper_limit=50
+    )
+
+
+def _phase_sample() -> float:
+    return _sample(
+        "controlplane_runner_instances_by_phase",
+        phase="idle",
+        provider="docker",
+        launch_kind="warm",
+    )
+
+
+async def test_a_provisioning_round_runs_every_part_in_order() -> None:
+    store = FakeUpkeepStore()
+    reaped = _sample("controlplane_runner_instances_reaped_total")
+    assert await _upkeep(store).run_once() == (2, 4, 11)
+    assert store.calls == ["reservations", "runners", "credentials", "ephemeral", "phases"]
+    assert _sample("controlplane_runner_instances_reaped_total") == reaped + 4
+    assert _phase_sample() == 3
+
+
+@pytest.mark.parametrize("broken", ["reservations", "runners", "credentials"])
+async def test_ephemeral_token_gc_and_the_gauges_survive_a_failed_upkeep(
+    broken: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before the split a failure here skipped the ephemeral tokens for the whole round."""
+    store = FakeUpkeepStore()
+    store.broken = {broken}
+    store.phases = [PhaseCount("idle", "docker", "warm", 8, 1.0)]
+    with caplog.at_level(logging.WARNING, logger="controlplane.maintenance"):
+        expired, reaped, pruned = await _upkeep(store).run_once()
+    assert store.calls[-2:] == ["ephemeral", "phases"]
+    assert (expired, reaped, pruned) == (0, 0, 6)  # only what the ephemeral GC pruned
+    assert _phase_sample() == 8
+    failures = [r for r in caplog.records if r.getMessage() == "maintenance.round_failed"]
+    assert [r.__dict__["job"] for r in failures] == ["provisioning"]
+
+
+async def test_a_failed_ephemeral_gc_or_phase_count_leaves_the_rest_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = FakeUpkeepStore()
+    store.broken = {"ephemeral", "phases"}
+    with caplog.at_level(logging.WARNING, logger="controlplane.maintenance"):
+        assert await _upkeep(store).run_once() == (2, 4, 5)
+    events = [(r.getMessage(), r.__dict__.get("job")) for r in caplog.records]
+    assert ("maintenance.round_failed", "ephemeral_gc") in events
+    assert ("maintenance.phase_count_failed", None) in events
