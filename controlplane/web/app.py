@@ -23,7 +23,6 @@ from controlplane.web import (
     runners,
 )
 from controlplane.web.errors import (
-    DATABASE_FAULTS,
     handle_control_plane_error,
     handle_http_exception,
     handle_unexpected,
@@ -86,7 +85,6 @@ def build(services: Services | None) -> Starlette:
         exception_handlers={
             ControlPlaneError: handle_control_plane_error,
             HTTPException: handle_http_exception,
-            **dict.fromkeys(DATABASE_FAULTS, handle_unexpected),
             Exception: handle_unexpected,
         },
     )

@@ -31,7 +31,6 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from controlplane import errors
 from controlplane.domain.labels import MAX_LABEL_LENGTH
 from controlplane.settings import Settings
-from controlplane.store import ephemeral
 from controlplane.web.edge import json_response
 from controlplane.web.errors import STATUS
 from controlplane.wire import admin, jobs, orchestrator, provisioners, runner_control, runners
@@ -101,7 +100,7 @@ ERRORS: dict[str, tuple[type[errors.ControlPlaneError], str]] = {
                                        "the runner instance is gone, finished or stopping"),
     "provider-runner-id-taken": (errors.Conflict,
                                  "another instance of the provisioner has that provider id"),
-    "registration-token-consumed": (ephemeral.RegistrationTokenConsumed,
+    "registration-token-consumed": (errors.RegistrationTokenConsumed,
                                     "the ephemeral registration token was already used"),
     "lease-job-mismatch": (errors.LeaseJobMismatch, "the lease is for another execution"),
     "running-job-execution-not-found": (errors.RunningJobExecutionNotFound,
@@ -115,7 +114,7 @@ ERRORS: dict[str, tuple[type[errors.ControlPlaneError], str]] = {
     "database-unavailable": (errors.DatabaseUnavailable,
                              "the database did not answer within a deadline, or refused; retry"),
     "unavailable": (errors.Unavailable, "too many runners waiting, or a claim failed; retry"),
-    "runners-rate-limit-unavailable": (ephemeral.RateLimitUnavailable,
+    "runners-rate-limit-unavailable": (errors.RateLimitUnavailable,
                                        "the registration rate limiter failed or timed out"),
     "server-error": (errors.ControlPlaneError, "an unexpected error"),
 }

@@ -23,6 +23,8 @@ from controlplane.domain.output import tail_of_text
 from controlplane.errors import (
     InvalidInput,
     LeaseJobMismatch,
+    RateLimitUnavailable,
+    RegistrationRateLimited,
     RunnerLabelsReserved,
     ShuttingDown,
 )
@@ -149,13 +151,13 @@ async def _register_ephemeral(request: Request) -> Response:
                 limit=knobs.ephemeral_register_rate_limit,
                 window=timedelta(seconds=knobs.ephemeral_register_rate_window_seconds),
             )
-    except ephemeral_store.RegistrationRateLimited as error:
+    except RegistrationRateLimited as error:
         log.warning(
             "runner.register_rate_limited",
             extra={**ids, "retry_after_seconds": error.retry_after_seconds},
         )
         raise
-    except ephemeral_store.RateLimitUnavailable as error:
+    except RateLimitUnavailable as error:
         log.error(
             "runner.register_rate_limit_unavailable",
             extra={**ids, "error": type(error.__cause__).__name__},
