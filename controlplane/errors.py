@@ -1,7 +1,7 @@
 """Every error we raise on purpose, in one hierarchy. `web/` maps each to a status and a code once.
 
 Each class carries its stable wire `code` and a docstring whose first paragraph says when it is
-raised: web/openapi.py builds the API's error catalogue from them (`catalogue`, `when`), walking
+raised: web/openapi/ builds the API's error catalogue from them (`catalogue`, `when`), walking
 the subclasses of `ControlPlaneError`, and takes the status from web/errors.py's table.
 A new class is catalogued by being defined; no table lists the codes.
 

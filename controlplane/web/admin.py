@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from controlplane.domain import fleet as views
 from controlplane.domain import tokens
-from controlplane.domain.labels import label_error
+from controlplane.domain.labels import MAX_LABEL_LENGTH, label_error
 from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import InvalidInput
 from controlplane.store import credentials, executions, fleet, queries
@@ -31,8 +31,27 @@ from controlplane.web.edge import (
     read_json,
 )
 from controlplane.web.idempotency import create_once, revoke_once
+from controlplane.web.operations import (
+    ADM,
+    IDEMPOTENCY_KEY,
+    IDEMPOTENT,
+    IDEMPOTENT_NOTE,
+    IDEMPOTENT_REVOKE,
+    KNOBS,
+    PAGE,
+    PAGE_NOTE,
+    REVOKE_NOTE,
+    UUID_SCHEMA,
+    WORKSPACE_FILTER,
+    Op,
+    Param,
+    operation,
+)
 from controlplane.web.paging import PAGE_QUERY, Page, cut, page_of
 from controlplane.wire import admin as wire
+from controlplane.wire.common import LABEL_PATTERN
+
+_P = KNOBS.provisioners
 
 
 def _out(credential: Credential) -> wire.CredentialOut:
@@ -53,6 +72,18 @@ def _ttl(seconds: float | None) -> timedelta | None:
     return None if seconds is None else timedelta(seconds=seconds)
 
 
+@operation(
+    Op(
+        "Create an API key",
+        ADM,
+        wire.CreateApiKey,
+        wire.CreatedCredential,
+        IDEMPOTENT,
+        (IDEMPOTENCY_KEY,),
+        ok=201,
+        notes=IDEMPOTENT_NOTE,
+    )
+)
 async def create_api_key(request: Request) -> Response:
     actor = await auth.api_key(request, "admin")
     svc = auth.services(request)
@@ -87,6 +118,17 @@ def _credentials(found: list[Credential], page: Page) -> Response:
     )
 
 
+@operation(
+    Op(
+        "List API keys, newest first, a page at a time",
+        ADM,
+        None,
+        wire.CredentialList,
+        "invalid-cursor",
+        PAGE,
+        notes=PAGE_NOTE,
+    )
+)
 async def list_api_keys(request: Request) -> Response:
     svc = await auth.admin(request)
     query_only(request, *PAGE_QUERY)
@@ -113,6 +155,18 @@ async def _revoke(
     return Response(answer, 200, media_type="application/json")
 
 
+@operation(
+    Op(
+        "Revoke an API key (idempotent)",
+        ADM,
+        wire.Revoke,
+        wire.CredentialOut,
+        IDEMPOTENT_REVOKE,
+        (IDEMPOTENCY_KEY,),
+        optional_body=True,
+        notes=REVOKE_NOTE,
+    )
+)
 async def revoke_api_key(request: Request) -> Response:
     return await _revoke(
         request,
@@ -121,6 +175,18 @@ async def revoke_api_key(request: Request) -> Response:
     )
 
 
+@operation(
+    Op(
+        "Create a manual registration token",
+        ADM,
+        wire.CreateRegistrationToken,
+        wire.CreatedCredential,
+        IDEMPOTENT,
+        (IDEMPOTENCY_KEY,),
+        ok=201,
+        notes=IDEMPOTENT_NOTE,
+    )
+)
 async def create_registration_token(request: Request) -> Response:
     actor = await auth.api_key(request, "admin")
     svc = auth.services(request)
@@ -145,6 +211,17 @@ async def create_registration_token(request: Request) -> Response:
     return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
 
 
+@operation(
+    Op(
+        "List manual registration tokens, newest first, a page at a time",
+        ADM,
+        None,
+        wire.CredentialList,
+        "invalid-cursor",
+        (WORKSPACE_FILTER, *PAGE),
+        notes=PAGE_NOTE,
+    )
+)
 async def list_registration_tokens(request: Request) -> Response:
     svc = await auth.admin(request)
     query_only(request, "workspace_id", *PAGE_QUERY)
@@ -157,6 +234,18 @@ async def list_registration_tokens(request: Request) -> Response:
     return _credentials(found, page)
 
 
+@operation(
+    Op(
+        "Revoke a manual registration token (idempotent)",
+        ADM,
+        wire.Revoke,
+        wire.CredentialOut,
+        IDEMPOTENT_REVOKE,
+        (IDEMPOTENCY_KEY,),
+        optional_body=True,
+        notes=REVOKE_NOTE,
+    )
+)
 async def revoke_registration_token(request: Request) -> Response:
     return await _revoke(
         request,
@@ -167,6 +256,7 @@ async def revoke_registration_token(request: Request) -> Response:
     )
 
 
+@operation(Op("Queue depth, per workspace", ADM, None, wire.QueueOut))
 async def queue_overview(request: Request) -> Response:
     svc = await auth.admin(request)
     async with svc.pool.acquire() as conn:
@@ -201,6 +291,22 @@ async def queue_overview(request: Request) -> Response:
 ACTIVE_WINDOW_SECONDS = 60  # as the reference's RUNNER_ACTIVE_WINDOW_SECONDS
 
 
+@operation(
+    Op(
+        "Runners seen recently, with their leases",
+        ADM,
+        None,
+        wire.ActiveRunners,
+        query=(
+            WORKSPACE_FILTER,
+            Param(
+                "window_seconds",
+                {"type": "integer", "minimum": 1, "maximum": 86400, "default": 60},
+                "Seen within this many seconds.",
+            ),
+        ),
+    )
+)
 async def active_runners(request: Request) -> Response:
     svc = await auth.admin(request)
     workspace = query_uuid(request, "workspace_id")
@@ -267,6 +373,48 @@ _STATES = tuple(state.value for state in RunnerState)
 _INSTANCE_QUERY = ("state", "assignment", "label", "provisioner_id", "workspace_id", *PAGE_QUERY)
 
 
+@operation(
+    Op(
+        "List runner instances of every provisioner, newest first, a page at a time",
+        ADM,
+        None,
+        wire.RunnerInstanceList,
+        "invalid-cursor",
+        query=(
+            Param(
+                "state",
+                {"type": "string", "enum": list(_STATES)},
+                "Only instances in this state.",
+            ),
+            Param(
+                "assignment",
+                {"type": "string", "enum": ["assigned", "unassigned"]},
+                "assigned: instances with a workspace; unassigned: without one.",
+            ),
+            Param(
+                "label",
+                {
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": MAX_LABEL_LENGTH,
+                    "pattern": LABEL_PATTERN,
+                },
+                "Only instances with this label (matched canonicalised).",
+            ),
+            Param("provisioner_id", UUID_SCHEMA, "Only this provisioner's instances."),
+            WORKSPACE_FILTER,
+            *PAGE,
+        ),
+        notes="Installation-wide: instances of workspace and "
+        "installation provisioners alike. Unknown query parameters are 400. Derived per row: "
+        "`lifecycle_state` (unassigned, assigned, activated, claimed; an assigned instance in a "
+        "terminal state is completed), `enrollment_state` (activated: has a runner session; "
+        "enrolled: an open control session; else pending) and `reconciliation_status` (terminal; "
+        "unknown: its provisioner was never seen; stale: its last report or its provisioner's "
+        "last-seen is older than provisioners.stale_runner_threshold_seconds (default "
+        f"{_P.stale_runner_threshold_seconds}); else current).",
+    )
+)
 async def runner_instances(request: Request) -> Response:
     """Every provisioner's runner instances, newest first, one page at a time."""
     svc = await auth.admin(request)
@@ -297,6 +445,18 @@ async def runner_instances(request: Request) -> Response:
     )
 
 
+@operation(
+    Op(
+        "A workspace's active runner instances, updated recently",
+        ADM,
+        None,
+        wire.ActiveRunnerInstances,
+        query=(Param("workspace_id", UUID_SCHEMA, "The workspace.", required=True),),
+        notes="Instances in starting, running or stopping "
+        "whose row the server updated within provisioners.runner_active_window_seconds (default "
+        f"{_P.runner_active_window_seconds}); server time, never a reported one.",
+    )
+)
 async def active_runner_instances(request: Request) -> Response:
     """A workspace's active-state instances the server updated recently (spec P-87)."""
     svc = await auth.admin(request)
@@ -314,6 +474,7 @@ async def active_runner_instances(request: Request) -> Response:
     )
 
 
+@operation(Op("Runner instances per state", ADM, None, wire.RunnerInstanceCounts))
 async def runner_instance_counts(request: Request) -> Response:
     svc = await auth.admin(request)
     query_only(request)
@@ -326,6 +487,15 @@ async def runner_instance_counts(request: Request) -> Response:
     )
 
 
+@operation(
+    Op(
+        "Live reservations per workspace, labels and kind",
+        ADM,
+        None,
+        wire.ReservationList,
+        query=(Param("workspace_id", UUID_SCHEMA, "Only this workspace's reservations."),),
+    )
+)
 async def reservations(request: Request) -> Response:
     """Unexpired reservations per workspace, label set and kind."""
     svc = await auth.admin(request)

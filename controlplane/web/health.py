@@ -14,12 +14,22 @@ from starlette.routing import Route
 from controlplane import metrics
 from controlplane.web import auth
 from controlplane.web.edge import json_response
+from controlplane.web.operations import TEXT, Op, operation
+
+_READY = {
+    "type": "object",
+    "properties": {"ready": {"type": "boolean"}, "checks": {"type": "object"}},
+    "required": ["ready", "checks"],
+}
+_NOT_READY = {"description": "Not ready", "content": {"application/json": {"schema": _READY}}}
 
 
+@operation(Op("Liveness", answer={"type": "object", "required": ["status"]}))
 async def healthz(_request: Request) -> Response:
     return json_response({"status": "ok"})
 
 
+@operation(Op("Readiness", answer=_READY, also={"503": _NOT_READY}))
 async def readyz(request: Request) -> Response:
     """Ready when the database answers, no migration is pending, and LISTEN is connected."""
     svc = auth.services(request)
@@ -34,6 +44,7 @@ async def readyz(request: Request) -> Response:
     return json_response({"ready": ready, "checks": checks}, 200 if ready else 503)
 
 
+@operation(Op("Prometheus metrics", answer=TEXT))
 async def metrics_text(request: Request) -> Response:
     svc = auth.services(request)
     metrics.parked_runners.set(svc.dispatcher.parked)

@@ -10,12 +10,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from controlplane.domain.jobs import Outcome
-from controlplane.domain.labels import label_error
+from controlplane.domain.labels import MAX_LABEL_LENGTH, label_error
 from controlplane.domain.waiting import Takers, Waiting, why_waiting
 from controlplane.errors import InvalidInput, NotFound
 from controlplane.store import job_views, leases
 from controlplane.web import auth
 from controlplane.web.edge import json_response, path_uuid, query_only, query_uuid
+from controlplane.web.operations import ADM, PAGE, UUID_SCHEMA, Op, Param, operation
 from controlplane.web.paging import PAGE_QUERY, cut, page_of
 from controlplane.wire import jobs as wire
 
@@ -23,6 +24,11 @@ from controlplane.wire import jobs as wire
 # admin runner view (web/admin.py ACTIVE_WINDOW_SECONDS).
 TAKER_WINDOW = timedelta(seconds=60)
 MAX_LABELS = 20
+
+
+# 1 to 20 labels, comma-separated, each as the label grammar says (`_labels` checks the same).
+_ONE_LABEL = f"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_LABEL_LENGTH - 1}}}"
+_LABEL_LIST = f"^{_ONE_LABEL}(,{_ONE_LABEL}){{0,19}}$"
 
 
 def _job(view: job_views.JobView) -> wire.JobOut:
@@ -67,6 +73,30 @@ def _labels(request: Request) -> list[str] | None:
     return labels
 
 
+@operation(
+    Op(
+        "List executions, newest change (enqueued, started, ended) first, a page at a time",
+        ADM,
+        None,
+        wire.JobList,
+        "invalid-cursor",
+        query=(
+            Param("workspace_id", UUID_SCHEMA, "Only this workspace's executions."),
+            Param(
+                "status",
+                {"type": "string", "enum": ["pending", "running", "ended"]},
+                "Only executions in this state.",
+            ),
+            Param(
+                "labels",
+                {"type": "string", "pattern": _LABEL_LIST},
+                "Comma-separated labels (1-20); only pending and running executions that require "
+                "all of them (an ended execution keeps no labels).",
+            ),
+            *PAGE,
+        ),
+    )
+)
 async def list_jobs(request: Request) -> Response:
     svc = await auth.admin(request)
     query_only(request, "workspace_id", "status", "labels", *PAGE_QUERY)
@@ -87,6 +117,15 @@ async def list_jobs(request: Request) -> Response:
     return json_response(wire.JobList(items=[_job(row) for row in shown], next_cursor=next_cursor))
 
 
+@operation(
+    Op(
+        "One execution: its timestamps, outcome, exit code, output tail, and why it waits",
+        ADM,
+        None,
+        wire.JobDetail,
+        "not-found",
+    )
+)
 async def show_job(request: Request) -> Response:
     svc = await auth.admin(request)
     query_only(request)
@@ -108,6 +147,15 @@ async def show_job(request: Request) -> Response:
     )
 
 
+@operation(
+    Op(
+        "Cancel an execution as the orchestrator would (idempotent)",
+        ADM,
+        None,
+        wire.JobCancelled,
+        "not-found",
+    )
+)
 async def cancel_job(request: Request) -> Response:
     """An operator ends an execution, as the orchestrator's cancel does: a pending one leaves the
     queue, a running one's runner hears the cancel on its held heartbeat."""
@@ -131,6 +179,15 @@ async def cancel_job(request: Request) -> Response:
     )
 
 
+@operation(
+    Op(
+        "Pending label sets per workspace, oldest first, with who could take them and whether "
+        "they are stuck",
+        ADM,
+        None,
+        wire.PendingGroupList,
+    )
+)
 async def pending_groups(request: Request) -> Response:
     svc = await auth.admin(request)
     query_only(request)

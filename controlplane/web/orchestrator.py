@@ -28,6 +28,7 @@ from controlplane.web.edge import (
     query_value,
     read_json,
 )
+from controlplane.web.operations import KNOBS, OAK, UUID_SCHEMA, Op, Param, operation, wait
 from controlplane.web.services import Services
 from controlplane.wire import orchestrator as wire
 
@@ -35,6 +36,25 @@ from controlplane.wire import orchestrator as wire
 # sequence bigint (signed 64-bit). Checked here, so a larger one is 400, not a failed query.
 _XID8_MAX = 2**64 - 1
 _BIGINT_MAX = 2**63 - 1
+
+
+# Each part fits the column it is compared with (xid8, bigint) with digits to spare. Empty is
+# refused (400 invalid-cursor), like every empty query value.
+_EVENT_CURSOR = {"type": "string", "pattern": "^[0-9]{1,18}[.][0-9]{1,18}$"}
+_EVENTS_QUERY = (
+    Param(
+        "after",
+        _EVENT_CURSOR,
+        "Cursor `<xid>.<seq>` (a `next_cursor`); omitted: from the start; empty: 400.",
+    ),
+    Param(
+        "limit",
+        {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100},
+        "The most events to return.",
+    ),
+    wait("0", "runners.long_poll_max_seconds"),
+    Param("workspace_id", UUID_SCHEMA, "Only this workspace (scoped key: its own)."),
+)
 
 
 def _event_cursor(request: Request) -> tuple[int, int]:
@@ -79,6 +99,18 @@ def _new_job(job: wire.EnqueueJob, max_payload: int, index: int) -> NewJob:
     )
 
 
+@operation(
+    Op(
+        "Enqueue job executions (idempotent)",
+        OAK,
+        wire.EnqueueRequest,
+        wire.EnqueueResponse,
+        "forbidden",
+        notes=f"At most queue.max_batch_size (default {KNOBS.queue.max_batch_size}) jobs; "
+        f"a payload is a JSON object of at most queue.max_payload_bytes (default "
+        f"{KNOBS.queue.max_payload_bytes}) bytes. One result per job, in order.",
+    )
+)
 async def enqueue(request: Request) -> Response:
     svc = auth.services(request)
     key = await auth.api_key(request, "orchestrator")
@@ -126,6 +158,17 @@ async def _visible_state(
     return found or executions.ExecutionState(execution, "unknown", None)
 
 
+@operation(
+    Op(
+        "End an execution (idempotent)",
+        OAK,
+        wire.OutcomeRequest,
+        wire.OutcomeResponse,
+        "not-found",
+        notes="An installation-wide key may end an execution "
+        "never seen (its tombstone stops a later enqueue); a workspace-scoped key gets 404.",
+    )
+)
 async def report_outcome(request: Request) -> Response:
     """The orchestrator says the execution is over. A workspace-scoped key can only end
     executions of its workspace that we know; an installation key may end unknown ones too
@@ -147,6 +190,7 @@ async def report_outcome(request: Request) -> Response:
     )
 
 
+@operation(Op("Read an execution's state", OAK, None, wire.ExecutionState, "not-found"))
 async def execution_state(request: Request) -> Response:
     svc = auth.services(request)
     key = await auth.api_key(request, "orchestrator")
@@ -177,6 +221,19 @@ async def execution_state(request: Request) -> Response:
     )
 
 
+@operation(
+    Op(
+        "Read the event feed",
+        OAK,
+        None,
+        wire.EventsResponse,
+        "invalid-cursor forbidden rate-limited",
+        _EVENTS_QUERY,
+        notes="Events after `after`, oldest first; with `wait`, held until one arrives. "
+        "A key holds at most events.held_reads_per_key (default "
+        f"{KNOBS.events.held_reads_per_key}) reads with `wait` on one replica; more get 429.",
+    )
+)
 async def read_events(request: Request) -> Response:
     """Events after `after` (a cursor), oldest first; with `wait`, held until some arrive."""
     svc = auth.services(request)

@@ -17,6 +17,21 @@ from controlplane.store.provisioners import Provisioner
 from controlplane.web import auth
 from controlplane.web.edge import json_response, path_uuid, query_only, query_uuid, read_json
 from controlplane.web.idempotency import create_once, revoke_once
+from controlplane.web.operations import (
+    ADM,
+    IDEMPOTENCY_KEY,
+    IDEMPOTENT,
+    IDEMPOTENT_NOTE,
+    IDEMPOTENT_REVOKE,
+    PAGE,
+    PAGE_NOTE,
+    PT,
+    REVOKE_NOTE,
+    WORKSPACE_FILTER,
+    Op,
+    Param,
+    operation,
+)
 from controlplane.web.paging import PAGE_QUERY, cut, page_of
 from controlplane.wire import admin as admin_wire
 from controlplane.wire import provisioners as wire
@@ -40,6 +55,15 @@ def _out(found: Provisioner) -> wire.ProvisionerTokenOut:
     )
 
 
+@operation(
+    Op(
+        "The calling provisioner's identity",
+        PT,
+        None,
+        wire.ProvisionerIdentity,
+        "provisioner-token-revoked provisioner-token-expired",
+    )
+)
 async def me(request: Request) -> Response:
     found = await auth.provisioner(request)
     return json_response(
@@ -51,6 +75,18 @@ async def me(request: Request) -> Response:
     )
 
 
+@operation(
+    Op(
+        "Create a provisioner token (workspace_id omitted: installation scope)",
+        ADM,
+        wire.CreateProvisionerToken,
+        wire.CreatedProvisionerToken,
+        IDEMPOTENT,
+        (IDEMPOTENCY_KEY,),
+        ok=201,
+        notes=IDEMPOTENT_NOTE,
+    )
+)
 async def create_token(request: Request) -> Response:
     actor = await auth.api_key(request, "admin")
     svc = auth.services(request)
@@ -69,6 +105,25 @@ async def create_token(request: Request) -> Response:
     return json_response(wire.CreatedProvisionerToken(provisioner=_out(created), token=raw), 201)
 
 
+@operation(
+    Op(
+        "List provisioner tokens, newest first, a page at a time",
+        ADM,
+        None,
+        wire.ProvisionerTokenList,
+        "invalid-cursor",
+        (
+            WORKSPACE_FILTER,
+            Param(
+                "active",
+                {"type": "string", "enum": ["true", "false"]},
+                "true: only provisioners seen within 120 s, not revoked, not expired.",
+            ),
+            *PAGE,
+        ),
+        notes=PAGE_NOTE + " `active` pages the same way.",
+    )
+)
 async def list_tokens(request: Request) -> Response:
     svc = await auth.admin(request)
     query_only(request, "workspace_id", "active", *PAGE_QUERY)
@@ -88,6 +143,22 @@ async def list_tokens(request: Request) -> Response:
     )
 
 
+@operation(
+    Op(
+        "Revoke a provisioner token of either scope (idempotent); the first revocation cascades",
+        ADM,
+        admin_wire.Revoke,
+        wire.ProvisionerTokenOut,
+        IDEMPOTENT_REVOKE,
+        (IDEMPOTENCY_KEY,),
+        optional_body=True,
+        notes=REVOKE_NOTE
+        + " Any provisioner token of either scope: admin keys are installation-wide. The first "
+        "revocation revokes the provisioner's boot-path credentials and unused runner sessions, "
+        "closes its control sessions and terminates its instances without a runner session; it "
+        "runs once.",
+    )
+)
 async def revoke_token(request: Request) -> Response:
     """Any provisioner token, of either scope: admin keys are installation-wide, so there is no
     workspace token this route must refuse (the reference's 404 for one, S-70, does not apply).

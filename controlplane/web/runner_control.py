@@ -25,6 +25,7 @@ from controlplane.store import fleet, runner_instances
 from controlplane.web import auth
 from controlplane.web.edge import hold as hold_until
 from controlplane.web.edge import json_response, query_integer, query_only, read_json
+from controlplane.web.operations import KNOBS, RCS, Op, Param, operation
 from controlplane.web.services import Services
 from controlplane.wire.runner_control import (
     ActivationResponse,
@@ -43,6 +44,9 @@ RECHECK_SECONDS = 1.0
 _WAIT_QUERY_HIGH = 2**31 - 1
 
 
+_P = KNOBS.provisioners
+
+
 def board(request: Request) -> AssignmentBoard:
     """This app's assignment board (one per app; the listener feeds its `notify`)."""
     state = request.app.state
@@ -53,6 +57,19 @@ def board(request: Request) -> AssignmentBoard:
     return found
 
 
+@operation(
+    Op(
+        "Trade a bootstrap token for a control session",
+        None,
+        ExchangeRequest,
+        ExchangeResponse,
+        "runner-bootstrap-token-invalid server-error",
+        tag="provisioned-runners",
+        notes="Unauthenticated; the bootstrap token is the "
+        "credential, usable once before provisioners.bootstrap_token_ttl_seconds (default "
+        f"{_P.bootstrap_token_ttl_seconds}) pass.",
+    )
+)
 async def exchange(request: Request) -> Response:
     svc = auth.services(request)
     body = await read_json(request, ExchangeRequest, svc.settings.server.max_body_bytes)
@@ -115,6 +132,20 @@ def _count_enrollment(enrolled: runner_instances.Enrollment) -> None:
         metrics.activation_not_issued.labels(enrolled.not_issued, "enrollment").inc()
 
 
+@operation(
+    Op(
+        "Enroll: declare labels and metadata; may answer an activation token",
+        RCS,
+        EnrollmentRequest,
+        ActivationResponse,
+        "runner-labels-reserved runner-control-session-invalid",
+        notes="The body is validated before the token. The "
+        "instance becomes `running`; labels, capabilities, provider_kind and protocol_version are "
+        "stored while it has no assignment. When it was created for a reservation, that "
+        "reservation is promoted to its assignment and an activation token returned; otherwise, "
+        "or when the promotion fails, `activation_token` is null.",
+    )
+)
 async def enrollment(request: Request) -> Response:
     svc = auth.services(request)
     body = await read_json(request, EnrollmentRequest, svc.settings.server.max_body_bytes)
@@ -154,6 +185,17 @@ async def enrollment(request: Request) -> Response:
     return json_response(ActivationResponse(activation_token=enrolled.activation_token))
 
 
+@operation(
+    Op(
+        "Attach the provider identity (once)",
+        RCS,
+        ProviderRunnerRequest,
+        ProviderRunnerResponse,
+        "provider-runner-id-taken",
+        notes="The body is validated before the token. "
+        "`attached` is false when the instance already has an identity or is finished.",
+    )
+)
 async def provider_runner(request: Request) -> Response:
     svc = auth.services(request)
     body = await read_json(request, ProviderRunnerRequest, svc.settings.server.max_body_bytes)
@@ -165,6 +207,7 @@ async def provider_runner(request: Request) -> Response:
     return json_response(ProviderRunnerResponse(attached=attached))
 
 
+@operation(Op("Control session liveness", RCS, None, ControlHeartbeatResponse))
 async def heartbeat(request: Request) -> Response:
     svc = auth.services(request)
     session = await auth.control_session(request)
@@ -204,6 +247,26 @@ async def await_activation(
             return None
 
 
+@operation(
+    Op(
+        "Long-poll for an assignment; answers an activation token",
+        RCS,
+        None,
+        ActivationResponse,
+        query=(
+            Param(
+                "wait_seconds",
+                {"type": "integer", "minimum": 1, "maximum": _WAIT_QUERY_HIGH},
+                "Seconds to hold the request (at least 1); more than "
+                "provisioners.assignment_poll_max_wait_seconds (default "
+                f"{_P.assignment_poll_max_wait_seconds}, also the default) holds that long.",
+            ),
+        ),
+        notes="The query is validated before the token; unknown "
+        "parameters are 400. Held until the runner is assigned (answers a fresh activation token, "
+        "revoking earlier ones) or `wait_seconds` pass (`activation_token` null).",
+    )
+)
 async def assignment(request: Request) -> Response:
     svc = auth.services(request)
     query_only(request, "wait_seconds")

@@ -33,6 +33,7 @@ from controlplane.store import executions, leases, queue, runner_instances, sess
 from controlplane.store.pool import borrow
 from controlplane.web import auth
 from controlplane.web.edge import hold, json_response, path_uuid, query_number, read_json
+from controlplane.web.operations import ERT, JL, KNOBS, MRT, RAT, RS, Op, operation, wait
 from controlplane.web.services import Services
 from controlplane.wire.common import Capabilities
 from controlplane.wire.runners import (
@@ -48,11 +49,43 @@ from controlplane.wire.runners import (
 log = logging.getLogger("controlplane.runners")
 
 
+_P = KNOBS.provisioners
+_LEASE = "lease-job-mismatch running-job-execution-not-found"
+_NO_JOB = {
+    "description": "No job within `wait` (Retry-After: 0), or shutting down (Retry-After: 1)",
+    "headers": {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}},
+}
+
+
 def _check_capabilities(capabilities: Capabilities | None) -> None:
     if capabilities is not None and (duplicates := capabilities.duplicate_tools()):
         raise InvalidInput("capabilities list a tool twice", duplicates=duplicates)
 
 
+@operation(
+    Op(
+        "Register a runner session (manual, or a provisioned runner's activation or ephemeral "
+        "token)",
+        MRT,
+        RegisterRequest,
+        RegisterResponse,
+        "runner-labels-reserved registration-token-consumed rate-limited "
+        "runners-rate-limit-unavailable",
+        alternative_auth=(RAT, ERT),
+        notes="Labels are canonicalised (trimmed, lower-cased, deduplicated, "
+        "sorted); labels in runners.reserved_labels are dropped, except for an activation or "
+        "ephemeral token of an installation provisioner. A manual token gives an uncapped `manual` "
+        "session; an activation token (one use) gives an `activation` session with `max_claims` 1 "
+        "and closes the runner's control session; an ephemeral token (one use) gives an "
+        "`ephemeral` session with `max_claims` 1, linked to the provisioner's runner of that "
+        "provider id. Ephemeral attempts are counted per token after the body is validated: "
+        "beyond provisioners.ephemeral_register_rate_limit (default "
+        f"{_P.ephemeral_register_rate_limit}) per "
+        "provisioners.ephemeral_register_rate_window_seconds "
+        f"(default {_P.ephemeral_register_rate_window_seconds}) they get 429; a used token still "
+        "counts, then gets 409. A 429 or 503 leaves the token unused.",
+    )
+)
 async def register(request: Request) -> Response:
     kind = auth.bearer_kind(request)
     if kind is tokens.Kind.ACTIVATION:
@@ -234,6 +267,19 @@ def _nothing() -> Response:
     return Response(status_code=204, headers={"Retry-After": "0"})
 
 
+@operation(
+    Op(
+        "Long-poll for a job",
+        RS,
+        None,
+        JobResponse,
+        "runner-session-exhausted unavailable",
+        (wait("the maximum", "runners.long_poll_max_seconds"),),
+        also={"204": _NO_JOB},
+        notes="No request body is read. Claims the oldest compatible "
+        "pending job of the session's workspace; a claim whose client went away is put back.",
+    )
+)
 async def request_job(request: Request) -> Response:
     """Hold the request until a job is claimed for this runner, or `wait` seconds pass (204)."""
     started = anyio.current_time()
@@ -302,6 +348,19 @@ async def _lease_for(request: Request) -> auth.Lease:
     return lease
 
 
+@operation(
+    Op(
+        "Refresh the lease; with wait, hold until cancelled",
+        JL,
+        HeartbeatRequest,
+        HeartbeatResponse,
+        _LEASE,
+        (wait("0", "runners.cancel_wait_max_seconds"),),
+        optional_body=True,
+        notes="An empty or `null` body is `{}`. "
+        "`capabilities` omitted keeps the stored report, `null` clears it, an object replaces it.",
+    )
+)
 async def heartbeat(request: Request) -> Response:
     """Refresh the lease. With `wait`, hold the answer until a cancel arrives or `wait` passes."""
     svc = auth.services(request)
@@ -343,6 +402,17 @@ def _kept_tail(reported: str | None, limit: int) -> str | None:
     return tail_of_text(reported, limit)
 
 
+@operation(
+    Op(
+        "Report the outcome; the lease is removed",
+        JL,
+        CompleteRequest,
+        CompleteResponse,
+        _LEASE,
+        notes="`recorded` is false when the execution "
+        "had already ended (the orchestrator ended it first); the lease is removed either way.",
+    )
+)
 async def complete(request: Request) -> Response:
     svc = auth.services(request)
     lease = await _lease_for(request)

@@ -1,0 +1,172 @@
+"""What each endpoint declares about itself for the API description, beside its handler.
+
+A handler module decorates each endpoint with `@operation(Op(...))`: its summary, the credential
+it takes (a key of `SECURITY`), its request and success bodies (wire Structs), the error codes of
+its own (those its credential, body and parameters imply are added by web/openapi/), its query
+parameters and a longer description. web/openapi/ walks the app's routes and reads these; an
+endpoint without a declaration, or a declared code no class of errors.py owns, stops the build.
+
+The parameters and notes that several modules share live here; the rest beside their handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from controlplane.settings import Settings
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+TEXT = "text/plain"  # `Op.answer` of a plain-text answer
+KNOBS = Settings()  # the built-in defaults, which descriptions name
+_OPAQUE = "opaque `cp_{}_<43 base64url chars>` (256 random bits; only its SHA-256 is stored)"
+_SIGNED = "signed `cp_{}_<kid>.<base64url claims>.<HMAC-SHA256>` (kid names the signing key)"
+_API_KEY_CODES = ("unauthorized", "api-key-revoked", "api-key-expired")
+
+OAK, ADM, MRT = "orchestratorKey", "adminKey", "manualRegistrationToken"
+RS, JL, PT = "runnerSession", "jobLease", "provisionerToken"
+RAT, RCS, ERT = "activationToken", "controlSession", "ephemeralRegistrationToken"
+_P = KNOBS.provisioners
+_R = KNOBS.runners
+_MRT_CODES = ("unauthorized", "registration-token-expired", "manual-registration-token-revoked")
+_PT_CODES = ("unauthorized", "provisioner-token-revoked", "provisioner-token-expired")
+
+# Security scheme -> (tag of its routes, auth error codes, description).
+# fmt: off
+SECURITY: dict[str, tuple[str, tuple[str, ...], str]] = {
+    OAK: ("orchestrator", _API_KEY_CODES, f"Orchestrator API key, {_OPAQUE.format('oak')}."),
+    ADM: ("admin", _API_KEY_CODES, f"Admin API key, {_OPAQUE.format('adm')}."),
+    MRT: ("runners", _MRT_CODES, f"Manual registration token, {_OPAQUE.format('mrt')}."),
+    RS: ("runners", ("unauthorized",), f"Runner session token, {_SIGNED.format('rs')}; lives "
+         f"runners.session_token_ttl_seconds (default {_R.session_token_ttl_seconds})."),
+    JL: ("runners", ("unauthorized",), f"Job lease token, {_SIGNED.format('jl')}; lives "
+         f"runners.lease_token_ttl_seconds (default {_R.lease_token_ttl_seconds})."),
+    PT: ("provisioners", _PT_CODES, f"Provisioner token, {_OPAQUE.format('pt')}."),
+    RAT: ("runners", ("unauthorized",), f"Activation token of a provisioned runner, "
+          f"{_OPAQUE.format('rat')}; one use, lives provisioners.activation_token_ttl_seconds "
+          f"(default {_P.activation_token_ttl_seconds})."),
+    ERT: ("runners", ("unauthorized", "registration-token-expired"), f"Ephemeral registration "
+          f"token a provisioner minted for one of its runners (`mint_ephemeral` on its control "
+          f"session), {_OPAQUE.format('ert')}; one use, lives "
+          f"provisioners.ephemeral_token_ttl_seconds (default {_P.ephemeral_token_ttl_seconds})."),
+    RCS: ("provisioned-runners", ("unauthorized",), f"Control session of a provisioned runner, "
+          f"{_OPAQUE.format('rcs')}; lives provisioners.control_session_ttl_seconds (default "
+          f"{_P.control_session_ttl_seconds}), never extended, closed at activation."),
+}
+# fmt: on
+
+
+def knob(settings: Settings, name: str) -> Any:
+    section, _, field_name = name.partition(".")
+    return getattr(getattr(settings, section), field_name)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter. `maximum`, when set, names the setting whose value is the schema's maximum
+    in the serving daemon's document (the schema given carries the built-in default)."""
+
+    name: str
+    schema: dict[str, Any]
+    description: str
+    required: bool = False
+    where: str = "query"
+    maximum: str | None = None
+
+    def openapi(self, settings: Settings) -> dict[str, Any]:
+        schema = dict(self.schema)
+        if self.maximum is not None:
+            schema["maximum"] = knob(settings, self.maximum)
+        return {
+            "name": self.name,
+            "in": self.where,
+            "required": self.required,
+            "schema": schema,
+            "description": self.description,
+        }
+
+
+def wait(default: str, maximum: str) -> Param:
+    """A `wait` parameter held at most as long as the setting `maximum`."""
+    high = knob(KNOBS, maximum)
+    text = (
+        f"Seconds to hold the request; 0 answers at once. Default {default}, at most "
+        f"{maximum} (default {high:g})."
+    )
+    return Param("wait", {"type": "number", "minimum": 0, "maximum": high}, text, maximum=maximum)
+
+
+UUID_SCHEMA = {"type": "string", "format": "uuid"}
+_PAGE_CURSOR = {"type": "string", "minLength": 1, "pattern": "^[A-Za-z0-9_-]+$"}
+WORKSPACE_FILTER = Param("workspace_id", UUID_SCHEMA, "Only this workspace's tokens.")
+PAGE = (
+    Param("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 50}, "Page size."),
+    Param(
+        "cursor", _PAGE_CURSOR, "Opaque; the `next_cursor` of the previous page (another is 400)."
+    ),
+)
+IDEMPOTENCY_KEY = Param(
+    "Idempotency-Key",
+    {"type": "string", "minLength": 1, "maxLength": 256, "pattern": "\\S"},
+    "Optional; 1-256 characters, not blank. A replay answers the first answer.",
+    where="header",
+)
+
+IDEMPOTENT = "idempotency-key-invalid idempotency-key-reused idempotency-replay-unavailable"
+IDEMPOTENT_REVOKE = "not-found idempotency-key-invalid idempotency-key-reused"
+IDEMPOTENT_NOTE = (
+    "With an `Idempotency-Key` header (1-256 characters), a replay of the same request answers "
+    "the same credential and token; the same key with another body is 409."
+)
+REVOKE_NOTE = (
+    "The body is optional: `{}`, `null` or none at all revoke without a reason. The first "
+    "revocation sets `revoked_at` and `revocation_reason`; a later one (with another "
+    "Idempotency-Key, or none) changes nothing and answers them as they are. With an "
+    "`Idempotency-Key`, a replay of the same request answers the first answer byte for byte "
+    "without revoking again; the same key for another token, another reason or another command "
+    "is 409 idempotency-key-reused. An unknown id is 404 and nothing is remembered."
+)
+PAGE_NOTE = (
+    "Unknown query parameters are 400. Ordered by (created_at, id) descending; `next_cursor` is "
+    "null on the last page, and passed as `cursor` gives the next one."
+)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One endpoint: summary, token kind, request and success bodies, its own error codes."""
+
+    summary: str
+    auth: str | None = None  # a SECURITY key; None: no auth
+    body: type | None = None
+    answer: Any = None  # a Struct type, an inline JSON schema, or TEXT
+    errors: str = ""  # codes beyond those implied by auth, body and parameters
+    query: tuple[Param, ...] = ()
+    ok: int = 200
+    also: dict[str, Any] = field(default_factory=dict)  # other non-error responses
+    optional_body: bool = False
+    alternative_auth: tuple[str, ...] = ()  # other SECURITY keys the route also accepts
+    tag: str | None = None  # default: the tag of its token kind ("health" without one)
+    notes: str | None = None  # the longer description
+
+
+_DECLARED: dict[Endpoint, Op] = {}
+
+
+def operation(op: Op) -> Callable[[Endpoint], Endpoint]:
+    """Declare what `op` says about the endpoint it decorates."""
+
+    def declare(endpoint: Endpoint) -> Endpoint:
+        _DECLARED[endpoint] = op
+        return endpoint
+
+    return declare
+
+
+def declared(endpoint: Endpoint) -> Op | None:
+    return _DECLARED.get(endpoint)
