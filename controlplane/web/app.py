@@ -14,6 +14,7 @@ from controlplane.errors import ControlPlaneError
 from controlplane.web import (
     admin,
     control,
+    fleet,
     health,
     jobs,
     openapi,
@@ -74,6 +75,7 @@ def build(services: Services | None) -> Starlette:
                 *health.routes,
                 *runners.routes,
                 *orchestrator.routes,
+                *fleet.routes,
                 *admin.routes,
                 *jobs.routes,
                 *provisioners.routes,
