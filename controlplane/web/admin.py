@@ -19,8 +19,6 @@ from controlplane.web import auth
 from controlplane.web.edge import (
     json_response,
     path_uuid,
-    query_only,
-    query_uuid,
     read_json,
 )
 from controlplane.web.idempotency import create_once, revoke_once
@@ -31,15 +29,15 @@ from controlplane.web.operations import (
     IDEMPOTENT_NOTE,
     IDEMPOTENT_REVOKE,
     KNOBS,
-    PAGE,
     PAGE_NOTE,
     REVOKE_NOTE,
-    WORKSPACE_FILTER,
     Op,
     operation,
 )
-from controlplane.web.paging import PAGE_QUERY, Page, cut, page_of
+from controlplane.web.paging import Page, cut, page_of
+from controlplane.web.queries import decode
 from controlplane.wire import admin as wire
+from controlplane.wire.queries import PageQuery, TokenPageQuery
 
 _P = KNOBS.provisioners
 
@@ -69,7 +67,7 @@ def _ttl(seconds: float | None) -> timedelta | None:
         wire.CreateApiKey,
         wire.CreatedCredential,
         IDEMPOTENT,
-        (IDEMPOTENCY_KEY,),
+        headers=(IDEMPOTENCY_KEY,),
         ok=201,
         notes=IDEMPOTENT_NOTE,
     )
@@ -115,14 +113,14 @@ def _credentials(found: list[Credential], page: Page) -> Response:
         None,
         wire.CredentialList,
         "invalid-cursor",
-        PAGE,
+        PageQuery,
         notes=PAGE_NOTE,
     )
 )
 async def list_api_keys(request: Request) -> Response:
     svc = await auth.admin(request)
-    query_only(request, *PAGE_QUERY)
-    page = page_of(request)
+    query = decode(request, PageQuery, svc.settings)
+    page = page_of(query.limit, query.cursor)
     async with svc.pool.acquire() as conn:
         found = await credentials.list_api_keys(conn, before=page.before, limit=page.fetch)
     return _credentials(found, page)
@@ -152,7 +150,7 @@ async def _revoke(
         wire.Revoke,
         wire.CredentialOut,
         IDEMPOTENT_REVOKE,
-        (IDEMPOTENCY_KEY,),
+        headers=(IDEMPOTENCY_KEY,),
         optional_body=True,
         notes=REVOKE_NOTE,
     )
@@ -172,7 +170,7 @@ async def revoke_api_key(request: Request) -> Response:
         wire.CreateRegistrationToken,
         wire.CreatedCredential,
         IDEMPOTENT,
-        (IDEMPOTENCY_KEY,),
+        headers=(IDEMPOTENCY_KEY,),
         ok=201,
         notes=IDEMPOTENT_NOTE,
     )
@@ -208,15 +206,15 @@ async def create_registration_token(request: Request) -> Response:
         None,
         wire.CredentialList,
         "invalid-cursor",
-        (WORKSPACE_FILTER, *PAGE),
+        TokenPageQuery,
         notes=PAGE_NOTE,
     )
 )
 async def list_registration_tokens(request: Request) -> Response:
     svc = await auth.admin(request)
-    query_only(request, "workspace_id", *PAGE_QUERY)
-    workspace = query_uuid(request, "workspace_id")
-    page = page_of(request)
+    query = decode(request, TokenPageQuery, svc.settings)
+    workspace = query.workspace_id
+    page = page_of(query.limit, query.cursor)
     async with svc.pool.acquire() as conn:
         found = await credentials.list_manual_tokens(
             conn, workspace, before=page.before, limit=page.fetch
@@ -231,7 +229,7 @@ async def list_registration_tokens(request: Request) -> Response:
         wire.Revoke,
         wire.CredentialOut,
         IDEMPOTENT_REVOKE,
-        (IDEMPOTENCY_KEY,),
+        headers=(IDEMPOTENCY_KEY,),
         optional_body=True,
         notes=REVOKE_NOTE,
     )

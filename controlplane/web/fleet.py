@@ -11,36 +11,32 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from controlplane.domain import fleet as views
-from controlplane.domain.labels import MAX_LABEL_LENGTH, label_error
+from controlplane.domain.labels import label_error
 from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import InvalidInput
 from controlplane.store import fleet, queries
 from controlplane.web import auth
 from controlplane.web.edge import (
     json_response,
-    query_integer,
     query_only,
-    query_uuid,
-    query_value,
 )
 from controlplane.web.operations import (
     ADM,
     KNOBS,
-    PAGE,
-    UUID_SCHEMA,
-    WORKSPACE_FILTER,
     Op,
-    Param,
     operation,
 )
-from controlplane.web.paging import PAGE_QUERY, cut, page_of
+from controlplane.web.paging import cut, page_of
+from controlplane.web.queries import decode
 from controlplane.wire import admin as wire
-from controlplane.wire.common import LABEL_PATTERN
+from controlplane.wire.queries import (
+    ActiveInstancesQuery,
+    ActiveRunnersQuery,
+    ReservationsQuery,
+    RunnerInstancesQuery,
+)
 
 _P = KNOBS.provisioners
-
-
-ACTIVE_WINDOW_SECONDS = 60  # as the reference's RUNNER_ACTIVE_WINDOW_SECONDS
 
 
 @operation(
@@ -49,22 +45,13 @@ ACTIVE_WINDOW_SECONDS = 60  # as the reference's RUNNER_ACTIVE_WINDOW_SECONDS
         ADM,
         None,
         wire.ActiveRunners,
-        query=(
-            WORKSPACE_FILTER,
-            Param(
-                "window_seconds",
-                {"type": "integer", "minimum": 1, "maximum": 86400, "default": 60},
-                "Seen within this many seconds.",
-            ),
-        ),
+        query=ActiveRunnersQuery,
     )
 )
 async def active_runners(request: Request) -> Response:
     svc = await auth.admin(request)
-    workspace = query_uuid(request, "workspace_id")
-    window = query_integer(
-        request, "window_seconds", low=1, high=86_400, default=ACTIVE_WINDOW_SECONDS
-    )
+    query = decode(request, ActiveRunnersQuery, svc.settings)
+    workspace, window = query.workspace_id, query.window_seconds
     async with svc.pool.acquire() as conn:
         found = await queries.active_runners(conn, workspace, timedelta(seconds=window))
     return json_response(
@@ -82,13 +69,6 @@ async def active_runners(request: Request) -> Response:
             ]
         )
     )
-
-
-def _choice(request: Request, name: str, allowed: tuple[str, ...]) -> str | None:
-    raw = query_value(request, name)
-    if raw is not None and raw not in allowed:
-        raise InvalidInput(f"query {name} must be one of {', '.join(allowed)}", field=name)
-    return raw
 
 
 def _instance(
@@ -121,10 +101,6 @@ def _instance(
     )
 
 
-_STATES = tuple(state.value for state in RunnerState)
-_INSTANCE_QUERY = ("state", "assignment", "label", "provisioner_id", "workspace_id", *PAGE_QUERY)
-
-
 @operation(
     Op(
         "List runner instances of every provisioner, newest first, a page at a time",
@@ -132,31 +108,7 @@ _INSTANCE_QUERY = ("state", "assignment", "label", "provisioner_id", "workspace_
         None,
         wire.RunnerInstanceList,
         "invalid-cursor",
-        query=(
-            Param(
-                "state",
-                {"type": "string", "enum": list(_STATES)},
-                "Only instances in this state.",
-            ),
-            Param(
-                "assignment",
-                {"type": "string", "enum": ["assigned", "unassigned"]},
-                "assigned: instances with a workspace; unassigned: without one.",
-            ),
-            Param(
-                "label",
-                {
-                    "type": "string",
-                    "minLength": 1,
-                    "maxLength": MAX_LABEL_LENGTH,
-                    "pattern": LABEL_PATTERN,
-                },
-                "Only instances with this label (matched canonicalised).",
-            ),
-            Param("provisioner_id", UUID_SCHEMA, "Only this provisioner's instances."),
-            WORKSPACE_FILTER,
-            *PAGE,
-        ),
+        query=RunnerInstancesQuery,
         notes="Installation-wide: instances of workspace and "
         "installation provisioners alike. Unknown query parameters are 400. Derived per row: "
         "`lifecycle_state` (unassigned, assigned, activated, claimed; an assigned instance in a "
@@ -170,21 +122,19 @@ _INSTANCE_QUERY = ("state", "assignment", "label", "provisioner_id", "workspace_
 async def runner_instances(request: Request) -> Response:
     """Every provisioner's runner instances, newest first, one page at a time."""
     svc = await auth.admin(request)
-    query_only(request, *_INSTANCE_QUERY)
-    state = _choice(request, "state", _STATES)
-    assignment = _choice(request, "assignment", ("assigned", "unassigned"))
-    label = query_value(request, "label")
+    query = decode(request, RunnerInstancesQuery, svc.settings)
+    label = query.label
     if label is not None:
         if (problem := label_error(label)) is not None:
             raise InvalidInput(f"query label: {problem}", field="label")
         label = label.lower()
-    page = page_of(request)
+    page = page_of(query.limit, query.cursor)
     where = fleet.InstanceFilter(
-        state=None if state is None else RunnerState(state),
-        assigned=None if assignment is None else assignment == "assigned",
+        state=query.state,
+        assigned=None if query.assignment is None else query.assignment == "assigned",
         label=label,
-        provisioner_id=query_uuid(request, "provisioner_id"),
-        workspace_id=query_uuid(request, "workspace_id"),
+        provisioner_id=query.provisioner_id,
+        workspace_id=query.workspace_id,
     )
     async with svc.pool.acquire() as conn:
         rows, now = await fleet.list_instances(conn, where, before=page.before, limit=page.fetch)
@@ -203,7 +153,7 @@ async def runner_instances(request: Request) -> Response:
         ADM,
         None,
         wire.ActiveRunnerInstances,
-        query=(Param("workspace_id", UUID_SCHEMA, "The workspace.", required=True),),
+        query=ActiveInstancesQuery,
         notes="Instances in starting, running or stopping "
         "whose row the server updated within provisioners.runner_active_window_seconds (default "
         f"{_P.runner_active_window_seconds}); server time, never a reported one.",
@@ -212,10 +162,7 @@ async def runner_instances(request: Request) -> Response:
 async def active_runner_instances(request: Request) -> Response:
     """A workspace's active-state instances the server updated recently (spec P-87)."""
     svc = await auth.admin(request)
-    query_only(request, "workspace_id")
-    workspace = query_uuid(request, "workspace_id")
-    if workspace is None:
-        raise InvalidInput("query workspace_id is required", field="workspace_id")
+    workspace = decode(request, ActiveInstancesQuery, svc.settings).workspace_id
     knobs = svc.settings.provisioners
     window = timedelta(seconds=knobs.runner_active_window_seconds)
     async with svc.pool.acquire() as conn:
@@ -224,6 +171,9 @@ async def active_runner_instances(request: Request) -> Response:
     return json_response(
         wire.ActiveRunnerInstances(items=[_instance(row, now, threshold) for row in rows])
     )
+
+
+_STATES = tuple(state.value for state in RunnerState)
 
 
 @operation(Op("Runner instances per state", ADM, None, wire.RunnerInstanceCounts))
@@ -245,14 +195,13 @@ async def runner_instance_counts(request: Request) -> Response:
         ADM,
         None,
         wire.ReservationList,
-        query=(Param("workspace_id", UUID_SCHEMA, "Only this workspace's reservations."),),
+        query=ReservationsQuery,
     )
 )
 async def reservations(request: Request) -> Response:
     """Unexpired reservations per workspace, label set and kind."""
     svc = await auth.admin(request)
-    query_only(request, "workspace_id")
-    workspace = query_uuid(request, "workspace_id")
+    workspace = decode(request, ReservationsQuery, svc.settings).workspace_id
     async with svc.pool.acquire() as conn:
         found = await fleet.live_reservations(conn, workspace)
     return json_response(

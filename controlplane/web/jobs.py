@@ -10,25 +10,22 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from controlplane.domain.jobs import Outcome
-from controlplane.domain.labels import MAX_LABEL_LENGTH, label_error
+from controlplane.domain.labels import label_error
 from controlplane.domain.waiting import Takers, Waiting, why_waiting
 from controlplane.errors import InvalidInput, NotFound
 from controlplane.store import job_views, leases
 from controlplane.web import auth
-from controlplane.web.edge import json_response, path_uuid, query_only, query_uuid
-from controlplane.web.operations import ADM, PAGE, UUID_SCHEMA, Op, Param, operation
-from controlplane.web.paging import PAGE_QUERY, cut, page_of
+from controlplane.web.edge import json_response, path_uuid, query_only
+from controlplane.web.operations import ADM, Op, operation
+from controlplane.web.paging import cut, page_of
+from controlplane.web.queries import decode
 from controlplane.wire import jobs as wire
+from controlplane.wire.queries import JobPageQuery
 
 # A runner or provisioner session seen this recently counts as able to take work, as in the
-# admin runner view (web/admin.py ACTIVE_WINDOW_SECONDS).
+# admin runner view (`window_seconds` of wire/queries.py's ActiveRunnersQuery).
 TAKER_WINDOW = timedelta(seconds=60)
 MAX_LABELS = 20
-
-
-# 1 to 20 labels, comma-separated, each as the label grammar says (`_labels` checks the same).
-_ONE_LABEL = f"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_LABEL_LENGTH - 1}}}"
-_LABEL_LIST = f"^{_ONE_LABEL}(,{_ONE_LABEL}){{0,19}}$"
 
 
 def _job(view: job_views.JobView) -> wire.JobOut:
@@ -60,8 +57,7 @@ def waiting_out(waiting: Waiting, takers: Takers) -> wire.WaitingOut:
     )
 
 
-def _labels(request: Request) -> list[str] | None:
-    raw = request.query_params.get("labels")
+def _labels(raw: str | None) -> list[str] | None:
     if raw is None:
         return None
     labels = [label.strip().lower() for label in raw.split(",")]
@@ -80,36 +76,20 @@ def _labels(request: Request) -> list[str] | None:
         None,
         wire.JobList,
         "invalid-cursor",
-        query=(
-            Param("workspace_id", UUID_SCHEMA, "Only this workspace's executions."),
-            Param(
-                "status",
-                {"type": "string", "enum": ["pending", "running", "ended"]},
-                "Only executions in this state.",
-            ),
-            Param(
-                "labels",
-                {"type": "string", "pattern": _LABEL_LIST},
-                "Comma-separated labels (1-20); only pending and running executions that require "
-                "all of them (an ended execution keeps no labels).",
-            ),
-            *PAGE,
-        ),
+        query=JobPageQuery,
     )
 )
 async def list_jobs(request: Request) -> Response:
     svc = await auth.admin(request)
-    query_only(request, "workspace_id", "status", "labels", *PAGE_QUERY)
-    status = request.query_params.get("status")
-    if status is not None and status not in job_views.STATUSES:
-        raise InvalidInput("query status must be pending, running or ended", field="status")
-    page = page_of(request)
+    query = decode(request, JobPageQuery, svc.settings)
+    page = page_of(query.limit, query.cursor)
+    labels = _labels(query.labels)
     async with svc.pool.acquire() as conn:
         rows = await job_views.list_jobs(
             conn,
-            workspace_id=query_uuid(request, "workspace_id"),
-            status=status,
-            labels=_labels(request),
+            workspace_id=query.workspace_id,
+            status=query.status,
+            labels=labels,
             before=page.before,
             limit=page.fetch,
         )

@@ -3,8 +3,9 @@
 A handler module decorates each endpoint with `@operation(Op(...))`: its summary, the credential
 it takes (a key of `SECURITY`), its request and success bodies (wire Structs), the error codes of
 its own (those its credential, body and parameters imply are added by web/openapi/), its query
-parameters and a longer description. web/openapi/ walks the app's routes and reads these; an
-endpoint without a declaration, or a declared code no class of errors.py owns, stops the build.
+(a Struct of wire/queries.py), its headers and a longer description. web/openapi/ walks the
+app's routes and reads these; an endpoint without a declaration, or a declared code no class of
+errors.py owns, stops the build.
 
 The parameters and notes that several modules share live here; the rest beside their handlers.
 """
@@ -15,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -61,60 +63,30 @@ SECURITY: dict[str, tuple[str, tuple[str, ...], str]] = {
 # fmt: on
 
 
-def knob(settings: Settings, name: str) -> Any:
-    section, _, field_name = name.partition(".")
-    return getattr(getattr(settings, section), field_name)
-
-
 @dataclass(frozen=True)
 class Param:
-    """One parameter. `maximum`, when set, names the setting whose value is the schema's maximum
-    in the serving daemon's document (the schema given carries the built-in default)."""
+    """A parameter that is not in the query string (a header)."""
 
     name: str
     schema: dict[str, Any]
     description: str
-    required: bool = False
-    where: str = "query"
-    maximum: str | None = None
+    where: str = "header"
 
-    def openapi(self, settings: Settings) -> dict[str, Any]:
-        schema = dict(self.schema)
-        if self.maximum is not None:
-            schema["maximum"] = knob(settings, self.maximum)
+    def openapi(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "in": self.where,
-            "required": self.required,
-            "schema": schema,
+            "required": False,
+            "schema": self.schema,
             "description": self.description,
         }
 
 
-def wait(default: str, maximum: str) -> Param:
-    """A `wait` parameter held at most as long as the setting `maximum`."""
-    high = knob(KNOBS, maximum)
-    text = (
-        f"Seconds to hold the request; 0 answers at once. Default {default}, at most "
-        f"{maximum} (default {high:g})."
-    )
-    return Param("wait", {"type": "number", "minimum": 0, "maximum": high}, text, maximum=maximum)
-
-
 UUID_SCHEMA = {"type": "string", "format": "uuid"}
-_PAGE_CURSOR = {"type": "string", "minLength": 1, "pattern": "^[A-Za-z0-9_-]+$"}
-WORKSPACE_FILTER = Param("workspace_id", UUID_SCHEMA, "Only this workspace's tokens.")
-PAGE = (
-    Param("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 50}, "Page size."),
-    Param(
-        "cursor", _PAGE_CURSOR, "Opaque; the `next_cursor` of the previous page (another is 400)."
-    ),
-)
 IDEMPOTENCY_KEY = Param(
     "Idempotency-Key",
     {"type": "string", "minLength": 1, "maxLength": 256, "pattern": "\\S"},
     "Optional; 1-256 characters, not blank. A replay answers the first answer.",
-    where="header",
 )
 
 IDEMPOTENT = "idempotency-key-invalid idempotency-key-reused idempotency-replay-unavailable"
@@ -146,7 +118,8 @@ class Op:
     body: type | None = None
     answer: Any = None  # a Struct type, an inline JSON schema, or TEXT
     errors: str = ""  # codes beyond those implied by auth, body and parameters
-    query: tuple[Param, ...] = ()
+    query: type[msgspec.Struct] | None = None  # a Struct of wire/queries.py
+    headers: tuple[Param, ...] = ()
     ok: int = 200
     also: dict[str, Any] = field(default_factory=dict)  # other non-error responses
     optional_body: bool = False

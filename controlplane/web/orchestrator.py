@@ -22,15 +22,13 @@ from controlplane.web import auth, jobs
 from controlplane.web.edge import (
     json_response,
     path_uuid,
-    query_integer,
-    query_number,
-    query_uuid,
-    query_value,
     read_json,
 )
-from controlplane.web.operations import KNOBS, OAK, UUID_SCHEMA, Op, Param, operation, wait
+from controlplane.web.operations import KNOBS, OAK, Op, operation
+from controlplane.web.queries import decode
 from controlplane.web.services import Services
 from controlplane.wire import orchestrator as wire
+from controlplane.wire.queries import EventsQuery
 
 # A cursor's parts as PostgreSQL types them: the transaction id is xid8 (unsigned 64-bit), the
 # sequence bigint (signed 64-bit). Checked here, so a larger one is 400, not a failed query.
@@ -38,28 +36,9 @@ _XID8_MAX = 2**64 - 1
 _BIGINT_MAX = 2**63 - 1
 
 
-# Each part fits the column it is compared with (xid8, bigint) with digits to spare. Empty is
-# refused (400 invalid-cursor), like every empty query value.
-_EVENT_CURSOR = {"type": "string", "pattern": "^[0-9]{1,18}[.][0-9]{1,18}$"}
-_EVENTS_QUERY = (
-    Param(
-        "after",
-        _EVENT_CURSOR,
-        "Cursor `<xid>.<seq>` (a `next_cursor`); omitted: from the start; empty: 400.",
-    ),
-    Param(
-        "limit",
-        {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100},
-        "The most events to return.",
-    ),
-    wait("0", "runners.long_poll_max_seconds"),
-    Param("workspace_id", UUID_SCHEMA, "Only this workspace (scoped key: its own)."),
-)
-
-
-def _event_cursor(request: Request) -> tuple[int, int]:
-    """`after`: absent is the start of the feed; empty, malformed or out of range is 400."""
-    raw = query_value(request, "after", code="invalid-cursor")
+def _event_cursor(raw: str | None) -> tuple[int, int]:
+    """`after`: absent is the start of the feed; malformed or out of range is 400 (empty is
+    refused as it is decoded)."""
     if raw is None:
         return (0, 0)
     try:
@@ -228,7 +207,7 @@ async def execution_state(request: Request) -> Response:
         None,
         wire.EventsResponse,
         "invalid-cursor forbidden rate-limited",
-        _EVENTS_QUERY,
+        EventsQuery,
         notes="Events after `after`, oldest first; with `wait`, held until one arrives. "
         "A key holds at most events.held_reads_per_key (default "
         f"{KNOBS.events.held_reads_per_key}) reads with `wait` on one replica; more get 429.",
@@ -238,16 +217,14 @@ async def read_events(request: Request) -> Response:
     """Events after `after` (a cursor), oldest first; with `wait`, held until some arrive."""
     svc = auth.services(request)
     key = await auth.api_key(request, "orchestrator")
-    after = _event_cursor(request)
-    workspace = query_uuid(request, "workspace_id")
+    query = decode(request, EventsQuery, svc.settings)
+    after = _event_cursor(query.after)
+    workspace = query.workspace_id
     if workspace is None:
         workspace = key.workspace_id
     else:
         auth.require_workspace(key, workspace)
-    limit = query_integer(request, "limit", low=1, high=1000, default=100)
-    wait = query_number(
-        request, "wait", low=0, high=svc.settings.runners.long_poll_max_seconds, default=0
-    )
+    limit, wait = query.limit, query.wait
     if wait > 0:
         found = await _held_read(request, svc, key, after, workspace, limit, wait)
     else:

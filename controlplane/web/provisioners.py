@@ -10,12 +10,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from controlplane.domain import tokens
-from controlplane.errors import InvalidInput
 from controlplane.store import provisioners
 from controlplane.store.pool import Conn
 from controlplane.store.provisioners import Provisioner
 from controlplane.web import auth
-from controlplane.web.edge import json_response, path_uuid, query_only, query_uuid, read_json
+from controlplane.web.edge import json_response, path_uuid, read_json
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.operations import (
     ADM,
@@ -23,18 +22,17 @@ from controlplane.web.operations import (
     IDEMPOTENT,
     IDEMPOTENT_NOTE,
     IDEMPOTENT_REVOKE,
-    PAGE,
     PAGE_NOTE,
     PT,
     REVOKE_NOTE,
-    WORKSPACE_FILTER,
     Op,
-    Param,
     operation,
 )
-from controlplane.web.paging import PAGE_QUERY, cut, page_of
+from controlplane.web.paging import cut, page_of
+from controlplane.web.queries import decode
 from controlplane.wire import admin as admin_wire
 from controlplane.wire import provisioners as wire
+from controlplane.wire.queries import ProvisionerTokenPageQuery
 
 # A provisioner seen this recently (and not revoked or expired) is active, as in the reference.
 ACTIVE_WITHIN = timedelta(seconds=120)
@@ -82,7 +80,7 @@ async def me(request: Request) -> Response:
         wire.CreateProvisionerToken,
         wire.CreatedProvisionerToken,
         IDEMPOTENT,
-        (IDEMPOTENCY_KEY,),
+        headers=(IDEMPOTENCY_KEY,),
         ok=201,
         notes=IDEMPOTENT_NOTE,
     )
@@ -112,27 +110,16 @@ async def create_token(request: Request) -> Response:
         None,
         wire.ProvisionerTokenList,
         "invalid-cursor",
-        (
-            WORKSPACE_FILTER,
-            Param(
-                "active",
-                {"type": "string", "enum": ["true", "false"]},
-                "true: only provisioners seen within 120 s, not revoked, not expired.",
-            ),
-            *PAGE,
-        ),
+        ProvisionerTokenPageQuery,
         notes=PAGE_NOTE + " `active` pages the same way.",
     )
 )
 async def list_tokens(request: Request) -> Response:
     svc = await auth.admin(request)
-    query_only(request, "workspace_id", "active", *PAGE_QUERY)
-    workspace = query_uuid(request, "workspace_id")
-    active = request.query_params.get("active")
-    if active not in (None, "true", "false"):
-        raise InvalidInput("query active must be true or false", field="active")
-    seen_within = ACTIVE_WITHIN if active == "true" else None
-    page = page_of(request)
+    query = decode(request, ProvisionerTokenPageQuery, svc.settings)
+    workspace = query.workspace_id
+    seen_within = ACTIVE_WITHIN if query.active == "true" else None
+    page = page_of(query.limit, query.cursor)
     async with svc.pool.acquire() as conn:
         found = await provisioners.list_all(
             conn, workspace, seen_within=seen_within, before=page.before, limit=page.fetch
@@ -150,7 +137,7 @@ async def list_tokens(request: Request) -> Response:
         admin_wire.Revoke,
         wire.ProvisionerTokenOut,
         IDEMPOTENT_REVOKE,
-        (IDEMPOTENCY_KEY,),
+        headers=(IDEMPOTENCY_KEY,),
         optional_body=True,
         notes=REVOKE_NOTE
         + " Any provisioner token of either scope: admin keys are installation-wide. The first "

@@ -24,9 +24,11 @@ from controlplane.errors import InvalidInput, RunnerLabelsReserved
 from controlplane.store import fleet, runner_instances
 from controlplane.web import auth
 from controlplane.web.edge import hold as hold_until
-from controlplane.web.edge import json_response, query_integer, query_only, read_json
-from controlplane.web.operations import KNOBS, RCS, Op, Param, operation
+from controlplane.web.edge import json_response, read_json
+from controlplane.web.operations import KNOBS, RCS, Op, operation
+from controlplane.web.queries import decode
 from controlplane.web.services import Services
+from controlplane.wire.queries import AssignmentQuery
 from controlplane.wire.runner_control import (
     ActivationResponse,
     ControlHeartbeatResponse,
@@ -253,15 +255,7 @@ async def await_activation(
         RCS,
         None,
         ActivationResponse,
-        query=(
-            Param(
-                "wait_seconds",
-                {"type": "integer", "minimum": 1, "maximum": _WAIT_QUERY_HIGH},
-                "Seconds to hold the request (at least 1); more than "
-                "provisioners.assignment_poll_max_wait_seconds (default "
-                f"{_P.assignment_poll_max_wait_seconds}, also the default) holds that long.",
-            ),
-        ),
+        query=AssignmentQuery,
         notes="The query is validated before the token; unknown "
         "parameters are 400. Held until the runner is assigned (answers a fresh activation token, "
         "revoking earlier ones) or `wait_seconds` pass (`activation_token` null).",
@@ -269,11 +263,8 @@ async def await_activation(
 )
 async def assignment(request: Request) -> Response:
     svc = auth.services(request)
-    query_only(request, "wait_seconds")
+    requested = decode(request, AssignmentQuery, svc.settings).wait_seconds
     cap = svc.settings.provisioners.assignment_poll_max_wait_seconds
-    requested = None
-    if "wait_seconds" in request.query_params:
-        requested = query_integer(request, "wait_seconds", low=1, high=_WAIT_QUERY_HIGH, default=1)
     session = await auth.control_session(request)
     ttl = timedelta(seconds=svc.settings.provisioners.activation_token_ttl_seconds)
     runner_id = session.runner_instance_id

@@ -32,10 +32,12 @@ from controlplane.store import ephemeral as ephemeral_store
 from controlplane.store import executions, leases, queue, runner_instances, sessions
 from controlplane.store.pool import borrow
 from controlplane.web import auth
-from controlplane.web.edge import hold, json_response, path_uuid, query_number, read_json
-from controlplane.web.operations import ERT, JL, KNOBS, MRT, RAT, RS, Op, operation, wait
+from controlplane.web.edge import hold, json_response, path_uuid, read_json
+from controlplane.web.operations import ERT, JL, KNOBS, MRT, RAT, RS, Op, operation
+from controlplane.web.queries import decode
 from controlplane.web.services import Services
 from controlplane.wire.common import Capabilities
+from controlplane.wire.queries import HeartbeatQuery, JobRequestQuery
 from controlplane.wire.runners import (
     CompleteRequest,
     CompleteResponse,
@@ -274,7 +276,7 @@ def _nothing() -> Response:
         None,
         JobResponse,
         "runner-session-exhausted unavailable",
-        (wait("the maximum", "runners.long_poll_max_seconds"),),
+        JobRequestQuery,
         also={"204": _NO_JOB},
         notes="No request body is read. Claims the oldest compatible "
         "pending job of the session's workspace; a claim whose client went away is put back.",
@@ -309,7 +311,8 @@ async def _request_job(request: Request) -> Response:
     svc = auth.services(request)
     session = await auth.runner_session(request)
     limit = svc.settings.runners.long_poll_max_seconds
-    wait = query_number(request, "wait", low=0, high=limit, default=limit)
+    asked = decode(request, JobRequestQuery, svc.settings).wait
+    wait = limit if asked is None else asked
     if wait == 0:
         async with borrow(svc.pool) as conn:
             job = await queue.claim(conn, session, liveness_throttle=svc.liveness_throttle)
@@ -355,7 +358,7 @@ async def _lease_for(request: Request) -> auth.Lease:
         HeartbeatRequest,
         HeartbeatResponse,
         _LEASE,
-        (wait("0", "runners.cancel_wait_max_seconds"),),
+        HeartbeatQuery,
         optional_body=True,
         notes="An empty or `null` body is `{}`. "
         "`capabilities` omitted keeps the stored report, `null` clears it, an object replaces it.",
@@ -368,9 +371,7 @@ async def heartbeat(request: Request) -> Response:
     body = await read_json(
         request, HeartbeatRequest, svc.settings.server.max_body_bytes, optional=True
     )
-    wait = query_number(
-        request, "wait", low=0, high=svc.settings.runners.cancel_wait_max_seconds, default=0
-    )
+    wait = decode(request, HeartbeatQuery, svc.settings).wait
     capabilities = body.capabilities
     if isinstance(capabilities, Capabilities):
         _check_capabilities(capabilities)

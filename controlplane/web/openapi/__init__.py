@@ -32,6 +32,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from controlplane import errors
 from controlplane.settings import Settings
+from controlplane.web import queries
 from controlplane.web.edge import json_response
 from controlplane.web.errors import STATUS
 from controlplane.web.operations import (
@@ -72,7 +73,7 @@ def codes(route: Route, op: Op) -> list[str]:
             found.update(SECURITY[other][1])
     if op.body is not None:
         found.update(("validation-error", "payload-too-large"))
-    if op.query or route.param_convertors:
+    if op.query is not None or route.param_convertors:
         found.add("validation-error")
     return [code for code in _catalogue() if code in found]
 
@@ -133,7 +134,8 @@ class _Build:
             {"name": name, "in": "path", "required": True, "schema": UUID_SCHEMA}
             for name in route.param_convertors
         ]
-        if parameters := path + [param.openapi(self.settings) for param in op.query]:
+        query = [] if op.query is None else queries.parameters(op.query, self.settings)
+        if parameters := path + query + [header.openapi() for header in op.headers]:
             out["parameters"] = parameters
         if op.body is not None:
             # An optional body may also be `null` (or absent: not required).
