@@ -24,15 +24,12 @@ from controlplane.web.edge import (
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.operations import (
     ADM,
-    IDEMPOTENCY_KEY,
-    IDEMPOTENT,
-    IDEMPOTENT_NOTE,
-    IDEMPOTENT_REVOKE,
     KNOBS,
     PAGE_NOTE,
-    REVOKE_NOTE,
     Op,
+    create,
     operation,
+    revoke,
 )
 from controlplane.web.paging import Page, cut, page_of
 from controlplane.web.queries import decode
@@ -60,18 +57,7 @@ def _ttl(seconds: float | None) -> timedelta | None:
     return None if seconds is None else timedelta(seconds=seconds)
 
 
-@operation(
-    Op(
-        "Create an API key",
-        ADM,
-        wire.CreateApiKey,
-        wire.CreatedCredential,
-        IDEMPOTENT,
-        headers=(IDEMPOTENCY_KEY,),
-        ok=201,
-        notes=IDEMPOTENT_NOTE,
-    )
-)
+@operation(create("Create an API key", wire.CreateApiKey, wire.CreatedCredential))
 async def create_api_key(request: Request) -> Response:
     actor = await auth.api_key(request, "admin")
     svc = auth.services(request)
@@ -143,18 +129,7 @@ async def _revoke(
     return Response(answer, 200, media_type="application/json")
 
 
-@operation(
-    Op(
-        "Revoke an API key (idempotent)",
-        ADM,
-        wire.Revoke,
-        wire.CredentialOut,
-        IDEMPOTENT_REVOKE,
-        headers=(IDEMPOTENCY_KEY,),
-        optional_body=True,
-        notes=REVOKE_NOTE,
-    )
-)
+@operation(revoke("Revoke an API key (idempotent)", wire.Revoke, wire.CredentialOut))
 async def revoke_api_key(request: Request) -> Response:
     return await _revoke(
         request,
@@ -164,15 +139,8 @@ async def revoke_api_key(request: Request) -> Response:
 
 
 @operation(
-    Op(
-        "Create a manual registration token",
-        ADM,
-        wire.CreateRegistrationToken,
-        wire.CreatedCredential,
-        IDEMPOTENT,
-        headers=(IDEMPOTENCY_KEY,),
-        ok=201,
-        notes=IDEMPOTENT_NOTE,
+    create(
+        "Create a manual registration token", wire.CreateRegistrationToken, wire.CreatedCredential
     )
 )
 async def create_registration_token(request: Request) -> Response:
@@ -223,16 +191,7 @@ async def list_registration_tokens(request: Request) -> Response:
 
 
 @operation(
-    Op(
-        "Revoke a manual registration token (idempotent)",
-        ADM,
-        wire.Revoke,
-        wire.CredentialOut,
-        IDEMPOTENT_REVOKE,
-        headers=(IDEMPOTENCY_KEY,),
-        optional_body=True,
-        notes=REVOKE_NOTE,
-    )
+    revoke("Revoke a manual registration token (idempotent)", wire.Revoke, wire.CredentialOut)
 )
 async def revoke_registration_token(request: Request) -> Response:
     return await _revoke(

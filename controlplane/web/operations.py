@@ -143,3 +143,31 @@ def operation(op: Op) -> Callable[[Endpoint], Endpoint]:
 
 def declared(endpoint: Endpoint) -> Op | None:
     return _DECLARED.get(endpoint)
+
+
+def create(summary: str, body: type, answer: type) -> Op:
+    """An admin create: admin key, 201, replayed with the same Idempotency-Key."""
+    return Op(
+        summary,
+        ADM,
+        body,
+        answer,
+        IDEMPOTENT,
+        headers=(IDEMPOTENCY_KEY,),
+        ok=201,
+        notes=IDEMPOTENT_NOTE,
+    )
+
+
+def revoke(summary: str, body: type, answer: type, notes: str = REVOKE_NOTE) -> Op:
+    """An admin revoke: admin key, optional body, replayed with the same Idempotency-Key."""
+    return Op(
+        summary,
+        ADM,
+        body,
+        answer,
+        IDEMPOTENT_REVOKE,
+        headers=(IDEMPOTENCY_KEY,),
+        optional_body=True,
+        notes=notes,
+    )

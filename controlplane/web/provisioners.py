@@ -18,15 +18,13 @@ from controlplane.web.edge import json_response, path_uuid, read_json
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.operations import (
     ADM,
-    IDEMPOTENCY_KEY,
-    IDEMPOTENT,
-    IDEMPOTENT_NOTE,
-    IDEMPOTENT_REVOKE,
     PAGE_NOTE,
     PT,
     REVOKE_NOTE,
     Op,
+    create,
     operation,
+    revoke,
 )
 from controlplane.web.paging import cut, page_of
 from controlplane.web.queries import decode
@@ -74,15 +72,10 @@ async def me(request: Request) -> Response:
 
 
 @operation(
-    Op(
+    create(
         "Create a provisioner token (workspace_id omitted: installation scope)",
-        ADM,
         wire.CreateProvisionerToken,
         wire.CreatedProvisionerToken,
-        IDEMPOTENT,
-        headers=(IDEMPOTENCY_KEY,),
-        ok=201,
-        notes=IDEMPOTENT_NOTE,
     )
 )
 async def create_token(request: Request) -> Response:
@@ -131,15 +124,11 @@ async def list_tokens(request: Request) -> Response:
 
 
 @operation(
-    Op(
+    revoke(
         "Revoke a provisioner token of either scope (idempotent); the first revocation cascades",
-        ADM,
         admin_wire.Revoke,
         wire.ProvisionerTokenOut,
-        IDEMPOTENT_REVOKE,
-        headers=(IDEMPOTENCY_KEY,),
-        optional_body=True,
-        notes=REVOKE_NOTE
+        REVOKE_NOTE
         + " Any provisioner token of either scope: admin keys are installation-wide. The first "
         "revocation revokes the provisioner's boot-path credentials and unused runner sessions, "
         "closes its control sessions and terminates its instances without a runner session; it "
