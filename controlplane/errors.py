@@ -1,4 +1,13 @@
-"""The few errors the domain and the store raise. `web/` maps each to a status and a code once."""
+"""Every error we raise on purpose, in one hierarchy. `web/` maps each to a status and a code once.
+
+Each class carries its stable wire `code` and a docstring whose first paragraph says when it is
+raised: web/openapi/ builds the API's error catalogue from them (`catalogue`, `when`), walking
+the subclasses of `ControlPlaneError`, and takes the status from web/errors.py's table.
+A new class is catalogued by being defined; no table lists the codes.
+
+A class may be raised with another `code=` than its own (a variant that shares its status);
+such a variant gets a class of its own here so that the catalogue knows it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +15,10 @@ from typing import Any
 
 
 class ControlPlaneError(Exception):
-    """Base of every error we raise on purpose. `code` is the stable wire code."""
+    """an unexpected error
+
+    Base of every error we raise on purpose. `code` is the stable wire code; raised as itself it
+    is a bug of ours (500)."""
 
     code = "server-error"
 
@@ -18,46 +30,226 @@ class ControlPlaneError(Exception):
             self.code = code
 
 
+# ------------------------------------------------------------------------------------------ 400
+
+
 class InvalidInput(ControlPlaneError):
+    """a body, path or query value is invalid"""
+
     code = "validation-error"
 
 
+class InvalidCursor(InvalidInput):
+    """`after` is not a `<xid>.<seq>` cursor, or `cursor` is not one we gave"""
+
+    code = "invalid-cursor"
+
+
 class EmptyRequiredLabels(InvalidInput):
+    """a job requires no label once its labels are canonicalised"""
+
     code = "empty-required-labels"
 
 
 class EmptyRunnerLabels(InvalidInput):
+    """a runner offers no label once its labels are canonicalised"""
+
     code = "empty-runner-labels"
 
 
 class RunnerLabelsReserved(InvalidInput):
+    """every supplied label is reserved"""
+
     code = "runner-labels-reserved"
 
 
+class IdempotencyKeyInvalid(InvalidInput):
+    """Idempotency-Key is empty or too long"""
+
+    code = "idempotency-key-invalid"
+
+
+# ------------------------------------------------------------------------------------------ 401
+
+
+class Unauthorized(ControlPlaneError):
+    """missing, malformed, wrong-kind, unknown or expired
+
+    Credentials we cannot accept; the variants below say which when the credential is known."""
+
+    code = "unauthorized"
+
+    def __init__(self, message: str = "missing or invalid credentials", *, code: str | None = None):
+        super().__init__(message, code=code)
+
+
+class ApiKeyRevoked(Unauthorized):
+    """the API key was revoked"""
+
+    code = "api-key-revoked"
+
+
+class ApiKeyExpired(Unauthorized):
+    """the API key expired"""
+
+    code = "api-key-expired"
+
+
+class RegistrationTokenExpired(Unauthorized):
+    """the registration token expired"""
+
+    code = "registration-token-expired"
+
+    def __init__(self) -> None:
+        super().__init__("the registration token expired")
+
+
+class ManualRegistrationTokenRevoked(Unauthorized):
+    """the token was revoked"""
+
+    code = "manual-registration-token-revoked"
+
+
+class ProvisionerTokenRevoked(Unauthorized):
+    """the provisioner token was revoked"""
+
+    code = "provisioner-token-revoked"
+
+
+class ProvisionerTokenExpired(Unauthorized):
+    """the provisioner token expired"""
+
+    code = "provisioner-token-expired"
+
+
+# ------------------------------------------------------------------------------------------ 403
+
+
+class Forbidden(ControlPlaneError):
+    """the key is scoped to another workspace"""
+
+    code = "forbidden"
+
+
+# ------------------------------------------------------------------------------------------ 404
+
+
 class NotFound(ControlPlaneError):
+    """no such execution, key or token (visible to this key)"""
+
     code = "not-found"
 
 
+class LeaseJobMismatch(NotFound):
+    """the lease is for another execution"""
+
+    code = "lease-job-mismatch"
+
+    def __init__(self) -> None:
+        super().__init__("The lease token is for another job execution")
+
+
 class RunningJobExecutionNotFound(NotFound):
+    """this session holds no lease on the execution"""
+
     code = "running-job-execution-not-found"
 
     def __init__(self) -> None:
         super().__init__("Running job execution not found")
 
 
+# ------------------------------------------------------------------------------------------ 409
+
+
 class Conflict(ControlPlaneError):
+    """the request contradicts the state it found"""
+
     code = "conflict"
 
 
+class IdempotencyKeyReused(Conflict):
+    """the Idempotency-Key was used for another request"""
+
+    code = "idempotency-key-reused"
+
+
+class IdempotencyReplayUnavailable(Conflict):
+    """the signing key rotated since the create"""
+
+    code = "idempotency-replay-unavailable"
+
+
+class IllegalTransition(Conflict):
+    """the runner instance cannot make that state change
+
+    A move the state machine of domain/runner_instances.py refuses. Enrollment of a finished
+    instance keeps the wire code the runner sees for a dead control session
+    (`runner-control-session-invalid`)."""
+
+    code = "runner-instance-illegal-transition"
+
+    def __init__(self, current: str | None, target: str, cause: str) -> None:
+        # The domain passes its StrEnums (RunnerState, Cause); details hold their plain values.
+        source = "no row" if current is None else str(current)
+        super().__init__(
+            f"{cause} cannot move a runner instance from {source} to {target}",
+            code="runner-control-session-invalid" if cause == "enrollment" else None,
+            current=None if current is None else str(current),
+            target=str(target),
+            cause=str(cause),
+        )
+        self.current = current
+        self.target = target
+        self.cause = cause
+
+
+class RegistrationTokenConsumed(Conflict):
+    """the ephemeral registration token was already used"""
+
+    code = "registration-token-consumed"
+
+    def __init__(self) -> None:
+        super().__init__("the ephemeral registration token was already used")
+
+
 class RunnerSessionExhausted(Conflict):
+    """a capped session is used up"""
+
     code = "runner-session-exhausted"
 
     def __init__(self) -> None:
         super().__init__("The runner session has no claims left")
 
 
+class EphemeralTokenActive(Conflict):
+    """a provider runner of the request already has an unconsumed, unexpired token"""
+
+    code = "ephemeral-token-active"
+
+
+class ReservationCapacityExhausted(Conflict):
+    """a batch would mint more tokens for the reservation than it has units"""
+
+    code = "reservation-capacity-exhausted"
+
+
+# ------------------------------------------------------------------------------------------ 413
+
+
+class PayloadTooLarge(ControlPlaneError):
+    """body or job payload over its limit"""
+
+    code = "payload-too-large"
+
+
+# ------------------------------------------------------------------------------------------ 429
+
+
 class RateLimited(ControlPlaneError):
-    """Too many attempts in a window; answered 429 with Retry-After."""
+    """too many attempts with this ephemeral token in its window, or too many held event-feed
+    reads by this key on this replica (`details.retry_after_seconds`, also in Retry-After)
+
+    Answered 429 with Retry-After."""
 
     code = "rate-limited"
 
@@ -66,55 +258,78 @@ class RateLimited(ControlPlaneError):
         self.retry_after_seconds = retry_after_seconds
 
 
+class RegistrationRateLimited(RateLimited):
+    """too many registration attempts with one token in its window (429 with Retry-After)"""
+
+    def __init__(self, retry_after_seconds: int) -> None:
+        super().__init__(
+            "too many registration attempts with this token; retry later",
+            retry_after_seconds=retry_after_seconds,
+        )
+
+
+# ------------------------------------------------------------------------------------------ 503
+
+
 class Unavailable(ControlPlaneError):
-    """This replica cannot serve the request now; it may be retried."""
+    """too many runners waiting, or a claim failed; retry
+
+    This replica cannot serve the request now; it may be retried."""
 
     code = "unavailable"
 
 
 class DatabaseUnavailable(Unavailable):
-    """The database is unreachable, refused us, or missed a client-side deadline."""
+    """the database did not answer within a deadline, or refused; retry
+
+    store/pool.py raises it for every connection fault, client-side deadline, lock or statement
+    timeout and refusal to connect, whatever the statement; the original is its `__cause__`."""
 
     code = "database-unavailable"
 
 
+class RateLimitUnavailable(Unavailable):
+    """the registration rate limiter failed or timed out"""
+
+    code = "runners-rate-limit-unavailable"
+
+    def __init__(self) -> None:
+        super().__init__("the registration rate limiter is unavailable; retry")
+
+
+class ShuttingDown(Unavailable):
+    """this replica is shutting down; retry on another"""
+
+    code = "shutting-down"
+
+
+# ------------------------------------------------------------------------ 500, never on the wire
+
+
 class ConfigError(ControlPlaneError):
+    """a setting is missing, malformed or out of range (at start-up)"""
+
     code = "config-error"
 
 
 class MigrationError(ControlPlaneError):
+    """the database schema cannot be brought to this version (at start-up)"""
+
     code = "migration-error"
 
 
-class Unauthorized(ControlPlaneError):
-    """Missing, malformed, unknown, expired or revoked credentials (the code says which)."""
+class EmbeddedPostgresError(ControlPlaneError):
+    """the embedded server could not be initialised, started or stopped
 
-    code = "unauthorized"
+    A ControlPlaneError, so the CLI prints the message (what to do) rather than a traceback."""
 
-    def __init__(self, message: str = "missing or invalid credentials", *, code: str | None = None):
-        super().__init__(message, code=code)
-
-
-class Forbidden(ControlPlaneError):
-    code = "forbidden"
+    code = "embedded-database-error"
 
 
-class LeaseJobMismatch(NotFound):
-    code = "lease-job-mismatch"
+class RegistrationTokenWorkspaceMismatch(ControlPlaneError):
+    """consumption named another workspace than the token's: a bug of the caller"""
 
-    def __init__(self) -> None:
-        super().__init__("The lease token is for another job execution")
-
-
-class PayloadTooLarge(ControlPlaneError):
-    code = "payload-too-large"
-
-
-class ShuttingDown(Unavailable):
-    code = "shutting-down"
-
-
-# --- provisioning (moved)
+    code = "registration-token-workspace-mismatch"
 
 
 class Fenced(ControlPlaneError):
@@ -128,3 +343,23 @@ class Fenced(ControlPlaneError):
     def __init__(self, verdict: str) -> None:
         super().__init__(f"the control session was {verdict}", verdict=verdict)
         self.verdict = verdict
+
+
+def catalogue() -> dict[str, type[ControlPlaneError]]:
+    """Every error code and the class that owns it: a depth-first walk of the subclasses of
+    `ControlPlaneError` (definition order among siblings), the first class to claim a code
+    owning it. Classes of the reference clients (controlplane.agent) are not the server's."""
+    found: dict[str, type[ControlPlaneError]] = {}
+    todo: list[type[ControlPlaneError]] = [ControlPlaneError]
+    while todo:
+        kind = todo.pop(0)
+        if not kind.__module__.startswith("controlplane.agent"):
+            found.setdefault(kind.code, kind)
+        todo[:0] = kind.__subclasses__()
+    return found
+
+
+def when(kind: type[ControlPlaneError]) -> str:
+    """The first paragraph of a class's docstring, on one line: when it is raised, as the API
+    reference says it."""
+    return " ".join((kind.__doc__ or "").strip().split("\n\n", 1)[0].split())

@@ -22,7 +22,9 @@ from datetime import datetime, timedelta
 from uuid import UUID
 
 from controlplane.domain.labels import LabelSet
-from controlplane.errors import Conflict
+
+# Raised by `transition`; defined with every other error, importable from here as well.
+from controlplane.errors import IllegalTransition as IllegalTransition
 
 
 class RunnerState(enum.StrEnum):
@@ -63,26 +65,6 @@ class Cause(enum.StrEnum):
     RECONCILE_ABSENT = "reconcile-absent"  # missing from the provisioner's observed set
     STALE_REAPER = "stale-reaper"  # neither the runner nor its provisioner was heard from
     REVOCATION = "revocation"  # its provisioner token was revoked
-
-
-class IllegalTransition(Conflict):
-    """A move the state machine refuses. Enrollment of a finished instance keeps the wire code
-    the runner sees for a dead control session."""
-
-    code = "runner-instance-illegal-transition"
-
-    def __init__(self, current: RunnerState | None, target: RunnerState, cause: Cause) -> None:
-        source = "no row" if current is None else current.value
-        super().__init__(
-            f"{cause.value} cannot move a runner instance from {source} to {target.value}",
-            code="runner-control-session-invalid" if cause is Cause.ENROLLMENT else None,
-            current=None if current is None else current.value,
-            target=target.value,
-            cause=cause.value,
-        )
-        self.current = current
-        self.target = target
-        self.cause = cause
 
 
 # The one target each non-report cause may move to, and the states it may move from.

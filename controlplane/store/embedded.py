@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from controlplane.errors import ControlPlaneError
+# Defined with every other error; startup_errors.py and the tests know it from here.
+from controlplane.errors import EmbeddedPostgresError as EmbeddedPostgresError
 
 SERVER_USER = "controlplane_pg"
 START_TIMEOUT_SECONDS = 60
@@ -53,14 +54,6 @@ local  all  all                 trust
 host   all  all  127.0.0.1/32   scram-sha-256
 host   all  all  ::1/128        scram-sha-256
 """
-
-
-class EmbeddedPostgresError(ControlPlaneError):
-    """The embedded server could not be initialised, started or stopped.
-
-    A ControlPlaneError, so the CLI prints the message (what to do) rather than a traceback."""
-
-    code = "embedded-database-error"
 
 
 def _bin_dir() -> Path:

@@ -32,13 +32,18 @@ import asyncpg
 from controlplane.domain import tokens
 from controlplane.domain.labels import LabelSet
 from controlplane.errors import (
-    Conflict,
-    ControlPlaneError,
+    EphemeralTokenActive,
     InvalidInput,
-    RateLimited,
+    RateLimitUnavailable,
+    RegistrationRateLimited,
+    RegistrationTokenConsumed,
+    RegistrationTokenWorkspaceMismatch,
+    ReservationCapacityExhausted,
     Unauthorized,
-    Unavailable,
 )
+
+# web/auth.py raises it for an expired token it presented here.
+from controlplane.errors import RegistrationTokenExpired as RegistrationTokenExpired
 from controlplane.store import locks, sessions
 from controlplane.store.pool import Conn
 from controlplane.store.reservations import lock_assignments, lock_workspace
@@ -49,53 +54,6 @@ log = logging.getLogger("controlplane.ephemeral")
 BATCH_MAX = 500  # spec REGISTRATION_TOKEN_BATCH_MAX
 RATE_LIMIT_TIMEOUT_MS = 250  # spec RUNNERS_RATE_LIMIT_TIMEOUT_MS
 GC_BATCH = 1000  # spec RUNNER_EPHEMERAL_TOKEN_GC_BATCH_SIZE
-
-
-class RegistrationTokenExpired(Unauthorized):
-    def __init__(self) -> None:
-        super().__init__("the registration token expired", code="registration-token-expired")
-
-
-class RegistrationTokenConsumed(Conflict):
-    code = "registration-token-consumed"
-
-    def __init__(self) -> None:
-        super().__init__("the ephemeral registration token was already used")
-
-
-class RegistrationTokenWorkspaceMismatch(ControlPlaneError):
-    """Consumption named another workspace than the token's: a bug of the caller (500)."""
-
-    code = "registration-token-workspace-mismatch"
-
-
-class RegistrationRateLimited(RateLimited):
-    """Too many registration attempts with one token in its window (429 with Retry-After)."""
-
-    def __init__(self, retry_after_seconds: int) -> None:
-        super().__init__(
-            "too many registration attempts with this token; retry later",
-            retry_after_seconds=retry_after_seconds,
-        )
-
-
-class RateLimitUnavailable(Unavailable):
-    code = "runners-rate-limit-unavailable"
-
-    def __init__(self) -> None:
-        super().__init__("the registration rate limiter is unavailable; retry")
-
-
-class EphemeralTokenActive(Conflict):
-    """A provider runner of the request already has an unconsumed, unexpired token."""
-
-    code = "ephemeral-token-active"
-
-
-class ReservationCapacityExhausted(Conflict):
-    """A batch would mint more tokens for the reservation than it has units."""
-
-    code = "reservation-capacity-exhausted"
 
 
 # ---------------------------------------------------------------------------------------- mint

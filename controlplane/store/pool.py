@@ -7,8 +7,18 @@ answering at all. Waiting for a pooled connection, or opening one, is bounded by
 the statement timeout so that, while the server answers, its own timeout fires first. A
 connection that missed a deadline or failed under us is in an unknown state: it is terminated,
 not returned to the pool, and the pool opens a fresh one on demand, so the daemon recovers by
-itself once the database answers again. Failing to connect becomes `DatabaseUnavailable`; faults
-on a live connection reach the web layer, which answers them with 503 (web/errors.py).
+itself once the database answers again.
+
+asyncpg's faults stop here. Whatever asks the pool for a connection (`async with
+pool.acquire()`, `borrow`, or the pool's own `fetch`/`execute`) gets `DatabaseUnavailable` for
+every fault of `UNAVAILABLE`: failing to connect or to get a connection in time, a connection
+lost or gone silent mid-statement, the server cancelling a statement (statement timeout, 57014)
+or a lock wait (lock timeout, 55P03), or refusing connections (57P03). The translation is at the
+borrow's exit, so every statement run on the connection is covered, and store code inside the
+borrow still sees asyncpg's own errors, to handle those it expects (a lock timeout that means
+"someone else is at it", a constraint). Other errors (constraint violations, SQL bugs) pass
+through as asyncpg raised them. Dedicated connections (`connect`) are the actors' own: opening
+one fails with `DatabaseUnavailable`; their users retry on any fault after that.
 """
 
 from __future__ import annotations
@@ -29,6 +39,17 @@ log = logging.getLogger("controlplane.pool")
 Pool = asyncpg.Pool
 # A store function runs on a dedicated connection or on one borrowed from the pool.
 Conn = asyncpg.Connection | PoolConnectionProxy
+
+# Faults that mean the database cannot serve us now, whatever we asked: answered as
+# DatabaseUnavailable (503 with Retry-After over HTTP), never as a bug of ours.
+UNAVAILABLE: tuple[type[Exception], ...] = (
+    OSError,  # TimeoutError (a client-side deadline) is one
+    asyncpg.PostgresConnectionError,  # class 08, and 57P03 cannot-connect-now
+    asyncpg.InterfaceError,
+    asyncpg.QueryCanceledError,  # 57014: statement_timeout
+    asyncpg.LockNotAvailableError,  # 55P03: lock_timeout
+    asyncpg.CannotConnectNowError,
+)
 
 # Faults after which a connection cannot be trusted (a statement may still be running, or the
 # protocol is mid-message): drop it rather than wait for a cancel the server may never answer.
@@ -71,13 +92,39 @@ async def _no_session_state(_conn: asyncpg.Connection) -> None:
     """
 
 
+def _drop(conn: PoolConnectionProxy) -> None:
+    """Terminate a borrowed connection that failed under its user. One that closed by itself
+    is already detached from its proxy (asyncpg released it), and there is nothing to drop."""
+    with contextlib.suppress(asyncpg.InterfaceError):
+        conn.terminate()  # detaches it from the pool; the release is a no-op
+
+
+def unavailable(error: Exception) -> DatabaseUnavailable:
+    """The domain error for a fault of `UNAVAILABLE` (raise it `from error`)."""
+    return DatabaseUnavailable("database unavailable; retry")
+
+
 class _Borrowed(PoolAcquireContext):
-    """`async with pool.acquire()`: a connection that failed under its user is terminated."""
+    """`async with pool.acquire()`: a connection that failed under its user is terminated, and
+    the faults of `UNAVAILABLE`, in the acquire, the body or the release, leave as
+    `DatabaseUnavailable`."""
+
+    async def __aenter__(self) -> PoolConnectionProxy:
+        try:
+            return await super().__aenter__()
+        except UNAVAILABLE as error:
+            raise unavailable(error) from error
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.connection is not None and isinstance(exc[1], BROKEN_CONNECTION):
-            self.connection.terminate()  # detaches it from the pool; the release is a no-op
-        await super().__aexit__(*exc)
+        error = exc[1]
+        if self.connection is not None and isinstance(error, BROKEN_CONNECTION):
+            _drop(self.connection)
+        try:
+            await super().__aexit__(*exc)
+        except UNAVAILABLE as failed:
+            raise unavailable(failed) from failed
+        if isinstance(error, UNAVAILABLE):
+            raise unavailable(error) from error
 
 
 class DeadlinePool(asyncpg.Pool):
@@ -137,14 +184,19 @@ async def borrow(pool: Pool) -> AsyncIterator[PoolConnectionProxy]:
     asyncpg resets a connection on release and, when the reset fails (the server went away just
     after our statement committed), terminates it and re-raises. Work that committed must not be
     reported as failed, least of all a claim, which would then never reach its runner: the
-    connection is already terminated, so we log and carry on.
+    connection is already terminated, so we log and carry on. Faults of `UNAVAILABLE` in the
+    acquire or the body leave as `DatabaseUnavailable`.
     """
-    conn = await pool.acquire()
+    try:
+        conn = await pool.acquire()
+    except UNAVAILABLE as error:
+        raise unavailable(error) from error
     try:
         yield conn
-    except BROKEN_CONNECTION:
-        conn.terminate()
-        raise
+    except UNAVAILABLE as error:
+        if isinstance(error, BROKEN_CONNECTION):
+            _drop(conn)
+        raise unavailable(error) from error
     finally:
         try:
             await pool.release(conn)

@@ -61,6 +61,10 @@ _TERMINAL = sorted(TERMINAL_STATES)
 
 
 class BootstrapTokenInvalid(Unauthorized):
+    """the bootstrap token is unknown, used, revoked or expired"""
+
+    code = "runner-bootstrap-token-invalid"
+
     def __init__(self) -> None:
         super().__init__(
             "the bootstrap token is unknown, used, revoked or expired",
@@ -69,11 +73,13 @@ class BootstrapTokenInvalid(Unauthorized):
 
 
 class ControlSessionInvalid(Conflict):
+    """the runner instance is gone, finished or stopping"""
+
     code = "runner-control-session-invalid"
 
 
 class ProviderRunnerIdTaken(Conflict):
-    """Another instance of the same provisioner already has this provider identity."""
+    """another instance of the provisioner has that provider id"""
 
     code = "provider-runner-id-taken"
 

@@ -1,12 +1,11 @@
-"""Admin routes (admin API key): API keys, manual registration tokens, the queue, and the
-provisioned fleet (runner instances, live reservations). Admin keys are installation-wide, so the
-fleet views list every provisioner's instances, of either scope."""
+"""Admin routes (admin API key): API keys, manual registration tokens and the queue. The views of
+runners and the provisioned fleet are web/fleet.py's."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from uuid import UUID
 
 import asyncpg
@@ -14,30 +13,35 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from controlplane.domain import fleet as views
 from controlplane.domain import tokens
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
-from controlplane.domain.labels import label_error
-from controlplane.domain.runner_instances import RunnerState
-from controlplane.errors import InvalidInput
 from controlplane.settings import Settings
-from controlplane.store import credentials, executions, fleet, queries
+from controlplane.store import credentials, executions, queries
 from controlplane.store.credentials import Credential, KeyRing
 from controlplane.store.pool import Conn
 from controlplane.web import auth
 from controlplane.web.edge import (
     json_response,
     path_uuid,
-    query_integer,
-    query_only,
-    query_uuid,
-    query_value,
     read_json,
 )
 from controlplane.web.endpoints import bound
 from controlplane.web.idempotency import create_once, revoke_once
-from controlplane.web.paging import PAGE_QUERY, Page, cut, page_of
+from controlplane.web.operations import (
+    ADM,
+    KNOBS,
+    PAGE_NOTE,
+    Op,
+    create,
+    operation,
+    revoke,
+)
+from controlplane.web.paging import Page, cut, page_of
+from controlplane.web.queries import decode
 from controlplane.wire import admin as wire
+from controlplane.wire.queries import PageQuery, TokenPageQuery
+
+_P = KNOBS.provisioners
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,7 @@ def _out(credential: Credential) -> wire.CredentialOut:
     )
 
 
+@operation(create("Create an API key", wire.CreateApiKey, wire.CreatedCredential))
 async def create_api_key(svc: Deps, request: Request) -> Response:
     actor = await svc.auth.admin(request)
     body = await read_json(request, wire.CreateApiKey, svc.settings.server.max_body_bytes)
@@ -88,10 +93,21 @@ def _credentials(found: list[Credential], page: Page) -> Response:
     )
 
 
+@operation(
+    Op(
+        "List API keys, newest first, a page at a time",
+        ADM,
+        None,
+        wire.CredentialList,
+        "invalid-cursor",
+        PageQuery,
+        notes=PAGE_NOTE,
+    )
+)
 async def list_api_keys(svc: Deps, request: Request) -> Response:
     await svc.auth.admin(request)
-    query_only(request, *PAGE_QUERY)
-    page = page_of(request)
+    query = decode(request, PageQuery, svc.settings)
+    page = page_of(query.limit, query.cursor)
     async with svc.pool.acquire() as conn:
         found = await credentials.list_api_keys(conn, before=page.before, limit=page.fetch)
     return _credentials(found, page)
@@ -114,6 +130,7 @@ async def _revoke(
     return Response(answer, 200, media_type="application/json")
 
 
+@operation(revoke("Revoke an API key (idempotent)", wire.Revoke, wire.CredentialOut))
 async def revoke_api_key(svc: Deps, request: Request) -> Response:
     return await _revoke(
         svc,
@@ -123,6 +140,11 @@ async def revoke_api_key(svc: Deps, request: Request) -> Response:
     )
 
 
+@operation(
+    create(
+        "Create a manual registration token", wire.CreateRegistrationToken, wire.CreatedCredential
+    )
+)
 async def create_registration_token(svc: Deps, request: Request) -> Response:
     actor = await svc.auth.admin(request)
     body = await read_json(
@@ -142,11 +164,22 @@ async def create_registration_token(svc: Deps, request: Request) -> Response:
     return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
 
 
+@operation(
+    Op(
+        "List manual registration tokens, newest first, a page at a time",
+        ADM,
+        None,
+        wire.CredentialList,
+        "invalid-cursor",
+        TokenPageQuery,
+        notes=PAGE_NOTE,
+    )
+)
 async def list_registration_tokens(svc: Deps, request: Request) -> Response:
     await svc.auth.admin(request)
-    query_only(request, "workspace_id", *PAGE_QUERY)
-    workspace = query_uuid(request, "workspace_id")
-    page = page_of(request)
+    query = decode(request, TokenPageQuery, svc.settings)
+    workspace = query.workspace_id
+    page = page_of(query.limit, query.cursor)
     async with svc.pool.acquire() as conn:
         found = await credentials.list_manual_tokens(
             conn, workspace, before=page.before, limit=page.fetch
@@ -154,6 +187,9 @@ async def list_registration_tokens(svc: Deps, request: Request) -> Response:
     return _credentials(found, page)
 
 
+@operation(
+    revoke("Revoke a manual registration token (idempotent)", wire.Revoke, wire.CredentialOut)
+)
 async def revoke_registration_token(svc: Deps, request: Request) -> Response:
     return await _revoke(
         svc,
@@ -165,6 +201,7 @@ async def revoke_registration_token(svc: Deps, request: Request) -> Response:
     )
 
 
+@operation(Op("Queue depth, per workspace", ADM, None, wire.QueueOut))
 async def queue_overview(svc: Deps, request: Request) -> Response:
     await svc.auth.admin(request)
     async with svc.pool.acquire() as conn:
@@ -196,173 +233,8 @@ async def queue_overview(svc: Deps, request: Request) -> Response:
     )
 
 
-ACTIVE_WINDOW_SECONDS = 60  # as the reference's RUNNER_ACTIVE_WINDOW_SECONDS
-
-
-async def active_runners(svc: Deps, request: Request) -> Response:
-    await svc.auth.admin(request)
-    workspace = query_uuid(request, "workspace_id")
-    window = query_integer(
-        request, "window_seconds", low=1, high=86_400, default=ACTIVE_WINDOW_SECONDS
-    )
-    async with svc.pool.acquire() as conn:
-        found = await queries.active_runners(conn, workspace, timedelta(seconds=window))
-    return json_response(
-        wire.ActiveRunners(
-            items=[
-                wire.ActiveRunnerOut(
-                    runner_session_id=runner.runner_session_id,
-                    workspace_id=runner.workspace_id,
-                    mode=runner.kind,
-                    labels=list(runner.labels),
-                    last_seen_at=runner.last_seen_at,
-                    running=runner.running,
-                )
-                for runner in found
-            ]
-        )
-    )
-
-
-def _choice(request: Request, name: str, allowed: tuple[str, ...]) -> str | None:
-    raw = query_value(request, name)
-    if raw is not None and raw not in allowed:
-        raise InvalidInput(f"query {name} must be one of {', '.join(allowed)}", field=name)
-    return raw
-
-
-def _instance(
-    row: fleet.InstanceRow, now: datetime, threshold: timedelta
-) -> wire.RunnerInstanceOut:
-    return wire.RunnerInstanceOut(
-        id=row.id,
-        provisioner=wire.InstanceProvisioner(
-            id=row.provisioner_id,
-            scope=row.provisioner_scope,  # type: ignore[arg-type]
-            name=row.provisioner_name,
-        ),
-        workspace_id=row.workspace_id,
-        provider_runner_id=row.provider_runner_id,
-        provider_kind=row.provider_kind,
-        launch_kind=row.launch_kind,  # type: ignore[arg-type]
-        template_key=row.template_key,
-        labels=list(row.labels),
-        state=row.state.value,
-        lifecycle_state=views.lifecycle_state(row.facts),
-        enrollment_state=views.enrollment_state(row.facts),
-        reconciliation_status=views.reconciliation_status(row.facts, now=now, threshold=threshold),
-        reason=row.reason,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        reported_at=row.reported_at,
-        assigned_at=row.assigned_at,
-        first_claimed_at=row.first_claimed_at,
-        closed_at=row.closed_at,
-    )
-
-
-_STATES = tuple(state.value for state in RunnerState)
-_INSTANCE_QUERY = ("state", "assignment", "label", "provisioner_id", "workspace_id", *PAGE_QUERY)
-
-
-async def runner_instances(svc: Deps, request: Request) -> Response:
-    """Every provisioner's runner instances, newest first, one page at a time."""
-    await svc.auth.admin(request)
-    query_only(request, *_INSTANCE_QUERY)
-    state = _choice(request, "state", _STATES)
-    assignment = _choice(request, "assignment", ("assigned", "unassigned"))
-    label = query_value(request, "label")
-    if label is not None:
-        if (problem := label_error(label)) is not None:
-            raise InvalidInput(f"query label: {problem}", field="label")
-        label = label.lower()
-    page = page_of(request)
-    where = fleet.InstanceFilter(
-        state=None if state is None else RunnerState(state),
-        assigned=None if assignment is None else assignment == "assigned",
-        label=label,
-        provisioner_id=query_uuid(request, "provisioner_id"),
-        workspace_id=query_uuid(request, "workspace_id"),
-    )
-    async with svc.pool.acquire() as conn:
-        rows, now = await fleet.list_instances(conn, where, before=page.before, limit=page.fetch)
-    shown, next_cursor = cut(rows, page, lambda row: (row.created_at, row.id))
-    threshold = timedelta(seconds=svc.settings.provisioners.stale_runner_threshold_seconds)
-    return json_response(
-        wire.RunnerInstanceList(
-            items=[_instance(row, now, threshold) for row in shown], next_cursor=next_cursor
-        )
-    )
-
-
-async def active_runner_instances(svc: Deps, request: Request) -> Response:
-    """A workspace's active-state instances the server updated recently (spec P-87)."""
-    await svc.auth.admin(request)
-    query_only(request, "workspace_id")
-    workspace = query_uuid(request, "workspace_id")
-    if workspace is None:
-        raise InvalidInput("query workspace_id is required", field="workspace_id")
-    knobs = svc.settings.provisioners
-    window = timedelta(seconds=knobs.runner_active_window_seconds)
-    async with svc.pool.acquire() as conn:
-        rows, now = await fleet.active_instances(conn, workspace, window)
-    threshold = timedelta(seconds=knobs.stale_runner_threshold_seconds)
-    return json_response(
-        wire.ActiveRunnerInstances(items=[_instance(row, now, threshold) for row in rows])
-    )
-
-
-async def runner_instance_counts(svc: Deps, request: Request) -> Response:
-    await svc.auth.admin(request)
-    query_only(request)
-    async with svc.pool.acquire() as conn:
-        counts = await fleet.counts_by_state(conn)
-    return json_response(
-        wire.RunnerInstanceCounts(
-            states=[wire.StateCount(state=s, count=counts[s]) for s in _STATES if s in counts]
-        )
-    )
-
-
-async def reservations(svc: Deps, request: Request) -> Response:
-    """Unexpired reservations per workspace, label set and kind."""
-    await svc.auth.admin(request)
-    query_only(request, "workspace_id")
-    workspace = query_uuid(request, "workspace_id")
-    async with svc.pool.acquire() as conn:
-        found = await fleet.live_reservations(conn, workspace)
-    return json_response(
-        wire.ReservationList(
-            items=[
-                wire.ReservationGroup(
-                    workspace_id=group.workspace_id,
-                    labels=list(group.labels),
-                    kind=group.kind,  # type: ignore[arg-type]
-                    reservations=group.reservations,
-                    units=group.units,
-                    next_expiry=group.next_expiry,
-                )
-                for group in found
-            ]
-        )
-    )
-
-
 def routes(svc: Deps | None) -> list[BaseRoute]:
     return [
-        Route("/v1/admin/runners", bound(active_runners, svc), methods=["GET"]),
-        Route("/v1/admin/runner-instances", bound(runner_instances, svc), methods=["GET"]),
-        Route(
-            "/v1/admin/runner-instances/active",
-            bound(active_runner_instances, svc),
-            methods=["GET"],
-        ),
-        Route(
-            "/v1/admin/runner-instances/counts",
-            bound(runner_instance_counts, svc),
-            methods=["GET"],
-        ),
-        Route("/v1/admin/reservations", bound(reservations, svc), methods=["GET"]),
         Route("/v1/admin/api-keys", bound(create_api_key, svc), methods=["POST"]),
         Route("/v1/admin/api-keys", bound(list_api_keys, svc), methods=["GET"]),
         Route("/v1/admin/api-keys/{id}/revoke", bound(revoke_api_key, svc), methods=["POST"]),

@@ -29,6 +29,7 @@ from controlplane.web import (
     admin,
     control,
     control_deps,
+    fleet,
     health,
     jobs,
     openapi,
@@ -39,7 +40,6 @@ from controlplane.web import (
 )
 from controlplane.web.auth import Authenticator, utc_now
 from controlplane.web.errors import (
-    DATABASE_FAULTS,
     handle_client_disconnect,
     handle_control_plane_error,
     handle_http_exception,
@@ -138,8 +138,9 @@ def _routes(replica: Replica | None) -> list[BaseRoute]:
         *orchestrator.routes(
             given(lambda r: orchestrator.Deps(r.settings, r.pool, r.auth, r.feed, r.closing))
         ),
+        *fleet.routes(given(lambda r: fleet.Deps(r.settings, r.pool, r.auth))),
         *admin.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
-        *jobs.routes(given(lambda r: jobs.Deps(r.pool, r.auth, r.feed))),
+        *jobs.routes(given(lambda r: jobs.Deps(r.settings, r.pool, r.auth, r.feed))),
         *provisioners.routes(
             given(lambda r: provisioners.Deps(r.settings, r.pool, r.auth, r.keys))
         ),
@@ -175,7 +176,6 @@ def build(replica: Replica | None) -> Starlette:
             ControlPlaneError: handle_control_plane_error,
             HTTPException: handle_http_exception,
             ClientDisconnect: handle_client_disconnect,
-            **dict.fromkeys(DATABASE_FAULTS, handle_unexpected),
             Exception: handle_unexpected,
         },
     )

@@ -30,13 +30,13 @@ from controlplane.web import control_requests as handlers
 from controlplane.web import edge
 from controlplane.web.control_deps import Deps
 from controlplane.web.endpoints import bound
-from controlplane.web.errors import DATABASE_FAULTS
 from controlplane.wire import control as wire
 
 log = logging.getLogger("controlplane.control")
 
 MAX_FRAME_BYTES = 64 * 1024
-_UNAVAILABLE: tuple[type[Exception], ...] = (Unavailable, *DATABASE_FAULTS)
+# DatabaseUnavailable among them: store/pool.py turns database faults into it.
+_UNAVAILABLE: tuple[type[Exception], ...] = (Unavailable,)
 # The peer or the server's transport went away: nothing left to answer. (OSError is not here:
 # it is as often the database's connection as the socket's, so it counts as unavailable, and
 # closing a socket that is already gone is harmless.)

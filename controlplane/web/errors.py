@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import asyncpg
 import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -50,8 +49,14 @@ def error_response(error: errors.ControlPlaneError) -> Response:
     )
 
 
-async def handle_control_plane_error(_request: Request, exc: Exception) -> Response:
+async def handle_control_plane_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, errors.ControlPlaneError)
+    if isinstance(exc, errors.DatabaseUnavailable):
+        # store/pool.py translated a fault (unreachable, restarting, too slow): retryable, 503.
+        log.warning(
+            "http.database_unavailable",
+            extra={"path": request.url.path, "error": type(exc.__cause__ or exc).__name__},
+        )
     return error_response(exc)
 
 
@@ -65,20 +70,6 @@ async def handle_http_exception(_request: Request, exc: Exception) -> Response:
     )
 
 
-# Mapped by Starlette's exception middleware (see app.py), not under `Exception`: a handler on
-# `Exception` runs in ServerErrorMiddleware, which re-raises after answering, so uvicorn logs a
-# traceback and closes the keep-alive connection behind every 503.
-DATABASE_FAULTS: tuple[type[Exception], ...] = (
-    OSError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.QueryCanceledError,
-    asyncpg.LockNotAvailableError,
-    asyncpg.CannotConnectNowError,
-    TimeoutError,
-)
-
-
 async def handle_client_disconnect(request: Request, _exc: Exception) -> Response:
     """The client left before its body was complete, or the body deadline passed
     (web/server.py answered 408 itself): nobody reads this answer, and nothing failed here."""
@@ -87,13 +78,6 @@ async def handle_client_disconnect(request: Request, _exc: Exception) -> Respons
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, DATABASE_FAULTS):
-        # The database is unreachable, restarting, or too slow: retryable, so 503.
-        log.warning(
-            "http.database_unavailable",
-            extra={"path": request.url.path, "error": type(exc).__name__},
-        )
-        return error_response(errors.DatabaseUnavailable("database unavailable; retry"))
     log.error(
         "http.unhandled",
         exc_info=exc,

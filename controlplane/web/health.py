@@ -22,6 +22,7 @@ from controlplane.actors.listener import Listener
 from controlplane.store.readiness import DatabaseFacts, read_facts
 from controlplane.web.edge import json_response
 from controlplane.web.endpoints import bound
+from controlplane.web.operations import TEXT, Op, operation
 
 
 class DatabaseProbe:
@@ -65,10 +66,20 @@ class Deps:
         return self.listener.connected
 
 
+_READY = {
+    "type": "object",
+    "properties": {"ready": {"type": "boolean"}, "checks": {"type": "object"}},
+    "required": ["ready", "checks"],
+}
+_NOT_READY = {"description": "Not ready", "content": {"application/json": {"schema": _READY}}}
+
+
+@operation(Op("Liveness", answer={"type": "object", "required": ["status"]}))
 async def healthz(_request: Request) -> Response:
     return json_response({"status": "ok"})
 
 
+@operation(Op("Readiness", answer=_READY, also={"503": _NOT_READY}))
 async def readyz(svc: Deps, _request: Request) -> Response:
     """Ready when the database answers, no migration is pending, and LISTEN is connected."""
     facts = await svc.probe.facts()
@@ -81,6 +92,7 @@ async def readyz(svc: Deps, _request: Request) -> Response:
     return json_response({"ready": ready, "checks": checks}, 200 if ready else 503)
 
 
+@operation(Op("Prometheus metrics", answer=TEXT))
 async def metrics_text(svc: Deps, _request: Request) -> Response:
     metrics.parked_runners.set(svc.dispatcher.parked)
     metrics.workspace_actors.set(svc.dispatcher.actors)

@@ -16,21 +16,26 @@ from controlplane.domain.jobs import Outcome
 from controlplane.domain.labels import label_error
 from controlplane.domain.waiting import Takers, Waiting, why_waiting
 from controlplane.errors import InvalidInput, NotFound
+from controlplane.settings import Settings
 from controlplane.store import job_views, leases
 from controlplane.web import auth
-from controlplane.web.edge import json_response, path_uuid, query_only, query_uuid
+from controlplane.web.edge import json_response, path_uuid, query_only
 from controlplane.web.endpoints import bound
-from controlplane.web.paging import PAGE_QUERY, cut, page_of
+from controlplane.web.operations import ADM, Op, operation
+from controlplane.web.paging import cut, page_of
+from controlplane.web.queries import decode
 from controlplane.wire import jobs as wire
+from controlplane.wire.queries import JobPageQuery
 
 # A runner or provisioner session seen this recently counts as able to take work, as in the
-# admin runner view (web/admin.py ACTIVE_WINDOW_SECONDS).
+# admin runner view (`window_seconds` of wire/queries.py's ActiveRunnersQuery).
 TAKER_WINDOW = timedelta(seconds=60)
 MAX_LABELS = 20
 
 
 @dataclass(frozen=True, slots=True)
 class Deps:
+    settings: Settings  # the query limits
     pool: asyncpg.Pool
     auth: auth.Authenticator
     feed: FeedWatch  # told when an operator's cancel adds to the event feed
@@ -65,8 +70,7 @@ def waiting_out(waiting: Waiting, takers: Takers) -> wire.WaitingOut:
     )
 
 
-def _labels(request: Request) -> list[str] | None:
-    raw = request.query_params.get("labels")
+def _labels(raw: str | None) -> list[str] | None:
     if raw is None:
         return None
     labels = [label.strip().lower() for label in raw.split(",")]
@@ -78,19 +82,27 @@ def _labels(request: Request) -> list[str] | None:
     return labels
 
 
+@operation(
+    Op(
+        "List executions, newest change (enqueued, started, ended) first, a page at a time",
+        ADM,
+        None,
+        wire.JobList,
+        "invalid-cursor",
+        query=JobPageQuery,
+    )
+)
 async def list_jobs(svc: Deps, request: Request) -> Response:
     await svc.auth.admin(request)
-    query_only(request, "workspace_id", "status", "labels", *PAGE_QUERY)
-    status = request.query_params.get("status")
-    if status is not None and status not in job_views.STATUSES:
-        raise InvalidInput("query status must be pending, running or ended", field="status")
-    page = page_of(request)
+    query = decode(request, JobPageQuery, svc.settings)
+    page = page_of(query.limit, query.cursor)
+    labels = _labels(query.labels)
     async with svc.pool.acquire() as conn:
         rows = await job_views.list_jobs(
             conn,
-            workspace_id=query_uuid(request, "workspace_id"),
-            status=status,
-            labels=_labels(request),
+            workspace_id=query.workspace_id,
+            status=query.status,
+            labels=labels,
             before=page.before,
             limit=page.fetch,
         )
@@ -98,6 +110,15 @@ async def list_jobs(svc: Deps, request: Request) -> Response:
     return json_response(wire.JobList(items=[_job(row) for row in shown], next_cursor=next_cursor))
 
 
+@operation(
+    Op(
+        "One execution: its timestamps, outcome, exit code, output tail, and why it waits",
+        ADM,
+        None,
+        wire.JobDetail,
+        "not-found",
+    )
+)
 async def show_job(svc: Deps, request: Request) -> Response:
     await svc.auth.admin(request)
     query_only(request)
@@ -119,6 +140,15 @@ async def show_job(svc: Deps, request: Request) -> Response:
     )
 
 
+@operation(
+    Op(
+        "Cancel an execution as the orchestrator would (idempotent)",
+        ADM,
+        None,
+        wire.JobCancelled,
+        "not-found",
+    )
+)
 async def cancel_job(svc: Deps, request: Request) -> Response:
     """An operator ends an execution, as the orchestrator's cancel does: a pending one leaves the
     queue, a running one's runner hears the cancel on its held heartbeat."""
@@ -142,6 +172,15 @@ async def cancel_job(svc: Deps, request: Request) -> Response:
     )
 
 
+@operation(
+    Op(
+        "Pending label sets per workspace, oldest first, with who could take them and whether "
+        "they are stuck",
+        ADM,
+        None,
+        wire.PendingGroupList,
+    )
+)
 async def pending_groups(svc: Deps, request: Request) -> Response:
     await svc.auth.admin(request)
     query_only(request)

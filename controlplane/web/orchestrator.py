@@ -26,14 +26,13 @@ from controlplane.web import auth, jobs
 from controlplane.web.edge import (
     json_response,
     path_uuid,
-    query_integer,
-    query_number,
-    query_uuid,
-    query_value,
     read_json,
 )
 from controlplane.web.endpoints import bound
+from controlplane.web.operations import KNOBS, OAK, Op, operation
+from controlplane.web.queries import decode
 from controlplane.wire import orchestrator as wire
+from controlplane.wire.queries import EventsQuery
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +50,9 @@ _XID8_MAX = 2**64 - 1
 _BIGINT_MAX = 2**63 - 1
 
 
-def _event_cursor(request: Request) -> tuple[int, int]:
-    """`after`: absent is the start of the feed; empty, malformed or out of range is 400."""
-    raw = query_value(request, "after", code="invalid-cursor")
+def _event_cursor(raw: str | None) -> tuple[int, int]:
+    """`after`: absent is the start of the feed; malformed or out of range is 400 (empty is
+    refused as it is decoded)."""
     if raw is None:
         return (0, 0)
     try:
@@ -93,6 +92,18 @@ def _new_job(job: wire.EnqueueJob, max_payload: int, index: int) -> NewJob:
     )
 
 
+@operation(
+    Op(
+        "Enqueue job executions (idempotent)",
+        OAK,
+        wire.EnqueueRequest,
+        wire.EnqueueResponse,
+        "forbidden",
+        notes=f"At most queue.max_batch_size (default {KNOBS.queue.max_batch_size}) jobs; "
+        f"a payload is a JSON object of at most queue.max_payload_bytes (default "
+        f"{KNOBS.queue.max_payload_bytes}) bytes. One result per job, in order.",
+    )
+)
 async def enqueue(svc: Deps, request: Request) -> Response:
     key = await svc.auth.orchestrator(request)
     body = await read_json(request, wire.EnqueueRequest, svc.settings.server.max_body_bytes)
@@ -139,6 +150,17 @@ async def _visible_state(
     return found or executions.ExecutionState(execution, "unknown", None)
 
 
+@operation(
+    Op(
+        "End an execution (idempotent)",
+        OAK,
+        wire.OutcomeRequest,
+        wire.OutcomeResponse,
+        "not-found",
+        notes="An installation-wide key may end an execution "
+        "never seen (its tombstone stops a later enqueue); a workspace-scoped key gets 404.",
+    )
+)
 async def report_outcome(svc: Deps, request: Request) -> Response:
     """The orchestrator says the execution is over. A workspace-scoped key can only end
     executions of its workspace that we know; an installation key may end unknown ones too
@@ -159,6 +181,7 @@ async def report_outcome(svc: Deps, request: Request) -> Response:
     )
 
 
+@operation(Op("Read an execution's state", OAK, None, wire.ExecutionState, "not-found"))
 async def execution_state(svc: Deps, request: Request) -> Response:
     key = await svc.auth.orchestrator(request)
     execution = path_uuid(request, "job_execution_id")
@@ -188,19 +211,30 @@ async def execution_state(svc: Deps, request: Request) -> Response:
     )
 
 
+@operation(
+    Op(
+        "Read the event feed",
+        OAK,
+        None,
+        wire.EventsResponse,
+        "invalid-cursor forbidden rate-limited",
+        EventsQuery,
+        notes="Events after `after`, oldest first; with `wait`, held until one arrives. "
+        "A key holds at most events.held_reads_per_key (default "
+        f"{KNOBS.events.held_reads_per_key}) reads with `wait` on one replica; more get 429.",
+    )
+)
 async def read_events(svc: Deps, request: Request) -> Response:
     """Events after `after` (a cursor), oldest first; with `wait`, held until some arrive."""
     key = await svc.auth.orchestrator(request)
-    after = _event_cursor(request)
-    workspace = query_uuid(request, "workspace_id")
+    query = decode(request, EventsQuery, svc.settings)
+    after = _event_cursor(query.after)
+    workspace = query.workspace_id
     if workspace is None:
         workspace = key.workspace_id
     else:
         auth.require_workspace(key, workspace)
-    limit = query_integer(request, "limit", low=1, high=1000, default=100)
-    wait = query_number(
-        request, "wait", low=0, high=svc.settings.runners.long_poll_max_seconds, default=0
-    )
+    limit, wait = query.limit, query.wait
     if wait > 0:
         found = await _held_read(request, svc, key, after, workspace, limit, wait)
     else:

@@ -11,15 +11,11 @@ from datetime import UTC, datetime
 from typing import TypeVar
 from uuid import UUID
 
-from starlette.requests import Request
-
 from controlplane.domain.fleet import decode_cursor, encode_cursor
 from controlplane.errors import InvalidInput
-from controlplane.web.edge import query_integer, query_value
 
 T = TypeVar("T")
 
-PAGE_QUERY = ("limit", "cursor")
 # Ours are about 120 characters. A longer one is not ours, and is refused before its JSON is
 # parsed, so no cursor can nest deep enough to exhaust the parser's stack.
 _MAX_CURSOR_LENGTH = 256
@@ -36,11 +32,9 @@ class Page:
         return self.limit + 1
 
 
-def page_of(request: Request) -> Page:
-    """A bad `limit` is `validation-error`; a cursor we did not give, the empty string included,
-    is `invalid-cursor`."""
-    limit = query_integer(request, "limit", low=1, high=100, default=50)
-    cursor = query_value(request, "cursor", code="invalid-cursor")
+def page_of(limit: int, cursor: str | None) -> Page:
+    """The page a decoded query asks for (wire/queries.py: `limit` is in range, an empty
+    `cursor` is already `invalid-cursor`); a cursor we did not give is `invalid-cursor`."""
     if cursor is None:
         return Page(limit, None)
     if len(cursor) > _MAX_CURSOR_LENGTH:

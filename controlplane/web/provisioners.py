@@ -11,17 +11,28 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane.domain import tokens
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
-from controlplane.errors import InvalidInput
 from controlplane.store import credentials, provisioners
 from controlplane.store.pool import Conn
 from controlplane.store.provisioners import Provisioner
 from controlplane.web import admin
-from controlplane.web.edge import json_response, path_uuid, query_only, query_uuid, read_json
+from controlplane.web.edge import json_response, path_uuid, read_json
 from controlplane.web.endpoints import bound
 from controlplane.web.idempotency import create_once, revoke_once
-from controlplane.web.paging import PAGE_QUERY, cut, page_of
+from controlplane.web.operations import (
+    ADM,
+    PAGE_NOTE,
+    PT,
+    REVOKE_NOTE,
+    Op,
+    create,
+    operation,
+    revoke,
+)
+from controlplane.web.paging import cut, page_of
+from controlplane.web.queries import decode
 from controlplane.wire import admin as admin_wire
 from controlplane.wire import provisioners as wire
+from controlplane.wire.queries import ProvisionerTokenPageQuery
 
 # A provisioner seen this recently (and not revoked or expired) is active, as in the reference.
 ACTIVE_WITHIN = timedelta(seconds=120)
@@ -46,6 +57,15 @@ def _out(found: Provisioner) -> wire.ProvisionerTokenOut:
     )
 
 
+@operation(
+    Op(
+        "The calling provisioner's identity",
+        PT,
+        None,
+        wire.ProvisionerIdentity,
+        "provisioner-token-revoked provisioner-token-expired",
+    )
+)
 async def me(svc: Deps, request: Request) -> Response:
     found = await svc.auth.provisioner(request)
     return json_response(
@@ -57,6 +77,13 @@ async def me(svc: Deps, request: Request) -> Response:
     )
 
 
+@operation(
+    create(
+        "Create a provisioner token (workspace_id omitted: installation scope)",
+        wire.CreateProvisionerToken,
+        wire.CreatedProvisionerToken,
+    )
+)
 async def create_token(svc: Deps, request: Request) -> Response:
     actor = await svc.auth.admin(request)
     body = await read_json(request, wire.CreateProvisionerToken, svc.settings.server.max_body_bytes)
@@ -74,15 +101,23 @@ async def create_token(svc: Deps, request: Request) -> Response:
     return json_response(wire.CreatedProvisionerToken(provisioner=_out(created), token=raw), 201)
 
 
+@operation(
+    Op(
+        "List provisioner tokens, newest first, a page at a time",
+        ADM,
+        None,
+        wire.ProvisionerTokenList,
+        "invalid-cursor",
+        ProvisionerTokenPageQuery,
+        notes=PAGE_NOTE + " `active` pages the same way.",
+    )
+)
 async def list_tokens(svc: Deps, request: Request) -> Response:
     await svc.auth.admin(request)
-    query_only(request, "workspace_id", "active", *PAGE_QUERY)
-    workspace = query_uuid(request, "workspace_id")
-    active = request.query_params.get("active")
-    if active not in (None, "true", "false"):
-        raise InvalidInput("query active must be true or false", field="active")
-    seen_within = ACTIVE_WITHIN if active == "true" else None
-    page = page_of(request)
+    query = decode(request, ProvisionerTokenPageQuery, svc.settings)
+    workspace = query.workspace_id
+    seen_within = ACTIVE_WITHIN if query.active == "true" else None
+    page = page_of(query.limit, query.cursor)
     async with svc.pool.acquire() as conn:
         found = await provisioners.list_all(
             conn, workspace, seen_within=seen_within, before=page.before, limit=page.fetch
@@ -93,6 +128,18 @@ async def list_tokens(svc: Deps, request: Request) -> Response:
     )
 
 
+@operation(
+    revoke(
+        "Revoke a provisioner token of either scope (idempotent); the first revocation cascades",
+        admin_wire.Revoke,
+        wire.ProvisionerTokenOut,
+        REVOKE_NOTE
+        + " Any provisioner token of either scope: admin keys are installation-wide. The first "
+        "revocation revokes the provisioner's boot-path credentials and unused runner sessions, "
+        "closes its control sessions and terminates its instances without a runner session; it "
+        "runs once.",
+    )
+)
 async def revoke_token(svc: Deps, request: Request) -> Response:
     """Any provisioner token, of either scope: admin keys are installation-wide, so there is no
     workspace token this route must refuse (the reference's 404 for one, S-70, does not apply).

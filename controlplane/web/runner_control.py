@@ -27,8 +27,11 @@ from controlplane.settings import Settings
 from controlplane.store import fleet, runner_instances
 from controlplane.web import auth
 from controlplane.web.edge import hold as hold_until
-from controlplane.web.edge import json_response, query_integer, query_only, read_json
+from controlplane.web.edge import json_response, read_json
 from controlplane.web.endpoints import bound
+from controlplane.web.operations import KNOBS, RCS, Op, operation
+from controlplane.web.queries import decode
+from controlplane.wire.queries import AssignmentQuery
 from controlplane.wire.runner_control import (
     ActivationResponse,
     ControlHeartbeatResponse,
@@ -46,6 +49,9 @@ RECHECK_SECONDS = 1.0
 _WAIT_QUERY_HIGH = 2**31 - 1
 
 
+_P = KNOBS.provisioners
+
+
 @dataclass(frozen=True, slots=True)
 class Deps:
     settings: Settings
@@ -55,6 +61,19 @@ class Deps:
     assignments: AssignmentBoard  # wakes parked assignment polls; the listener feeds it
 
 
+@operation(
+    Op(
+        "Trade a bootstrap token for a control session",
+        None,
+        ExchangeRequest,
+        ExchangeResponse,
+        "runner-bootstrap-token-invalid server-error",
+        tag="provisioned-runners",
+        notes="Unauthenticated; the bootstrap token is the "
+        "credential, usable once before provisioners.bootstrap_token_ttl_seconds (default "
+        f"{_P.bootstrap_token_ttl_seconds}) pass.",
+    )
+)
 async def exchange(svc: Deps, request: Request) -> Response:
     body = await read_json(request, ExchangeRequest, svc.settings.server.max_body_bytes)
     ttl = timedelta(seconds=svc.settings.provisioners.control_session_ttl_seconds)
@@ -116,6 +135,20 @@ def _count_enrollment(enrolled: runner_instances.Enrollment) -> None:
         metrics.activation_not_issued.labels(enrolled.not_issued, "enrollment").inc()
 
 
+@operation(
+    Op(
+        "Enroll: declare labels and metadata; may answer an activation token",
+        RCS,
+        EnrollmentRequest,
+        ActivationResponse,
+        "runner-labels-reserved runner-control-session-invalid",
+        notes="The body is validated before the token. The "
+        "instance becomes `running`; labels, capabilities, provider_kind and protocol_version are "
+        "stored while it has no assignment. When it was created for a reservation, that "
+        "reservation is promoted to its assignment and an activation token returned; otherwise, "
+        "or when the promotion fails, `activation_token` is null.",
+    )
+)
 async def enrollment(svc: Deps, request: Request) -> Response:
     body = await read_json(request, EnrollmentRequest, svc.settings.server.max_body_bytes)
     if body.capabilities is not None and (duplicates := body.capabilities.duplicate_tools()):
@@ -154,6 +187,17 @@ async def enrollment(svc: Deps, request: Request) -> Response:
     return json_response(ActivationResponse(activation_token=enrolled.activation_token))
 
 
+@operation(
+    Op(
+        "Attach the provider identity (once)",
+        RCS,
+        ProviderRunnerRequest,
+        ProviderRunnerResponse,
+        "provider-runner-id-taken",
+        notes="The body is validated before the token. "
+        "`attached` is false when the instance already has an identity or is finished.",
+    )
+)
 async def provider_runner(svc: Deps, request: Request) -> Response:
     body = await read_json(request, ProviderRunnerRequest, svc.settings.server.max_body_bytes)
     session = await svc.auth.control_session(request)
@@ -164,6 +208,7 @@ async def provider_runner(svc: Deps, request: Request) -> Response:
     return json_response(ProviderRunnerResponse(attached=attached))
 
 
+@operation(Op("Control session liveness", RCS, None, ControlHeartbeatResponse))
 async def heartbeat(svc: Deps, request: Request) -> Response:
     session = await svc.auth.control_session(request)
     async with svc.pool.acquire() as conn:
@@ -202,12 +247,21 @@ async def await_activation(
             return None
 
 
+@operation(
+    Op(
+        "Long-poll for an assignment; answers an activation token",
+        RCS,
+        None,
+        ActivationResponse,
+        query=AssignmentQuery,
+        notes="The query is validated before the token; unknown "
+        "parameters are 400. Held until the runner is assigned (answers a fresh activation token, "
+        "revoking earlier ones) or `wait_seconds` pass (`activation_token` null).",
+    )
+)
 async def assignment(svc: Deps, request: Request) -> Response:
-    query_only(request, "wait_seconds")
+    requested = decode(request, AssignmentQuery, svc.settings).wait_seconds
     cap = svc.settings.provisioners.assignment_poll_max_wait_seconds
-    requested = None
-    if "wait_seconds" in request.query_params:
-        requested = query_integer(request, "wait_seconds", low=1, high=_WAIT_QUERY_HIGH, default=1)
     session = await svc.auth.control_session(request)
     ttl = timedelta(seconds=svc.settings.provisioners.activation_token_ttl_seconds)
     runner_id = session.runner_instance_id

@@ -27,6 +27,8 @@ from controlplane.domain.output import tail_of_text
 from controlplane.errors import (
     InvalidInput,
     LeaseJobMismatch,
+    RateLimitUnavailable,
+    RegistrationRateLimited,
     RunnerLabelsReserved,
     ShuttingDown,
 )
@@ -35,9 +37,12 @@ from controlplane.store import ephemeral as ephemeral_store
 from controlplane.store import executions, leases, queue, runner_instances, sessions
 from controlplane.store.pool import borrow
 from controlplane.web import auth
-from controlplane.web.edge import hold, json_response, path_uuid, query_number, read_json
+from controlplane.web.edge import hold, json_response, path_uuid, read_json
 from controlplane.web.endpoints import bound
+from controlplane.web.operations import ERT, JL, KNOBS, MRT, RAT, RS, Op, operation
+from controlplane.web.queries import decode
 from controlplane.wire.common import Capabilities
+from controlplane.wire.queries import HeartbeatQuery, JobRequestQuery
 from controlplane.wire.runners import (
     CompleteRequest,
     CompleteResponse,
@@ -69,11 +74,43 @@ class Deps:
         return timedelta(seconds=self.settings.runners.liveness_throttle_seconds)
 
 
+_P = KNOBS.provisioners
+_LEASE = "lease-job-mismatch running-job-execution-not-found"
+_NO_JOB = {
+    "description": "No job within `wait` (Retry-After: 0), or shutting down (Retry-After: 1)",
+    "headers": {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}},
+}
+
+
 def _check_capabilities(capabilities: Capabilities | None) -> None:
     if capabilities is not None and (duplicates := capabilities.duplicate_tools()):
         raise InvalidInput("capabilities list a tool twice", duplicates=duplicates)
 
 
+@operation(
+    Op(
+        "Register a runner session (manual, or a provisioned runner's activation or ephemeral "
+        "token)",
+        MRT,
+        RegisterRequest,
+        RegisterResponse,
+        "runner-labels-reserved registration-token-consumed rate-limited "
+        "runners-rate-limit-unavailable",
+        alternative_auth=(RAT, ERT),
+        notes="Labels are canonicalised (trimmed, lower-cased, deduplicated, "
+        "sorted); labels in runners.reserved_labels are dropped, except for an activation or "
+        "ephemeral token of an installation provisioner. A manual token gives an uncapped `manual` "
+        "session; an activation token (one use) gives an `activation` session with `max_claims` 1 "
+        "and closes the runner's control session; an ephemeral token (one use) gives an "
+        "`ephemeral` session with `max_claims` 1, linked to the provisioner's runner of that "
+        "provider id. Ephemeral attempts are counted per token after the body is validated: "
+        "beyond provisioners.ephemeral_register_rate_limit (default "
+        f"{_P.ephemeral_register_rate_limit}) per "
+        "provisioners.ephemeral_register_rate_window_seconds "
+        f"(default {_P.ephemeral_register_rate_window_seconds}) they get 429; a used token still "
+        "counts, then gets 409. A 429 or 503 leaves the token unused.",
+    )
+)
 async def register(svc: Deps, request: Request) -> Response:
     kind = auth.bearer_kind(request)
     if kind is tokens.Kind.ACTIVATION:
@@ -169,13 +206,13 @@ async def _register_ephemeral(svc: Deps, request: Request) -> Response:
                 limit=knobs.ephemeral_register_rate_limit,
                 window=timedelta(seconds=knobs.ephemeral_register_rate_window_seconds),
             )
-    except ephemeral_store.RegistrationRateLimited as error:
+    except RegistrationRateLimited as error:
         log.warning(
             "runner.register_rate_limited",
             extra={**ids, "retry_after_seconds": error.retry_after_seconds},
         )
         raise
-    except ephemeral_store.RateLimitUnavailable as error:
+    except RateLimitUnavailable as error:
         log.error(
             "runner.register_rate_limit_unavailable",
             extra={**ids, "error": type(error.__cause__).__name__},
@@ -252,6 +289,19 @@ def _nothing() -> Response:
     return Response(status_code=204, headers={"Retry-After": "0"})
 
 
+@operation(
+    Op(
+        "Long-poll for a job",
+        RS,
+        None,
+        JobResponse,
+        "runner-session-exhausted unavailable",
+        JobRequestQuery,
+        also={"204": _NO_JOB},
+        notes="No request body is read. Claims the oldest compatible "
+        "pending job of the session's workspace; a claim whose client went away is put back.",
+    )
+)
 async def request_job(svc: Deps, request: Request) -> Response:
     """Hold the request until a job is claimed for this runner, or `wait` seconds pass (204)."""
     started = anyio.current_time()
@@ -280,7 +330,8 @@ async def _park(request: Request, waiter: Waiter, seconds: float) -> bool:
 async def _request_job(svc: Deps, request: Request) -> Response:
     session = await svc.auth.runner_session(request)
     limit = svc.settings.runners.long_poll_max_seconds
-    wait = query_number(request, "wait", low=0, high=limit, default=limit)
+    asked = decode(request, JobRequestQuery, svc.settings).wait
+    wait = limit if asked is None else asked
     if wait == 0:
         async with borrow(svc.pool) as conn:
             job = await queue.claim(conn, session, liveness_throttle=svc.liveness_throttle)
@@ -319,15 +370,26 @@ async def _lease_for(svc: Deps, request: Request) -> auth.Lease:
     return lease
 
 
+@operation(
+    Op(
+        "Refresh the lease; with wait, hold until cancelled",
+        JL,
+        HeartbeatRequest,
+        HeartbeatResponse,
+        _LEASE,
+        HeartbeatQuery,
+        optional_body=True,
+        notes="An empty or `null` body is `{}`. "
+        "`capabilities` omitted keeps the stored report, `null` clears it, an object replaces it.",
+    )
+)
 async def heartbeat(svc: Deps, request: Request) -> Response:
     """Refresh the lease. With `wait`, hold the answer until a cancel arrives or `wait` passes."""
     lease = await _lease_for(svc, request)
     body = await read_json(
         request, HeartbeatRequest, svc.settings.server.max_body_bytes, optional=True
     )
-    wait = query_number(
-        request, "wait", low=0, high=svc.settings.runners.cancel_wait_max_seconds, default=0
-    )
+    wait = decode(request, HeartbeatQuery, svc.settings).wait
     capabilities = body.capabilities
     if isinstance(capabilities, Capabilities):
         _check_capabilities(capabilities)
@@ -357,6 +419,17 @@ def _kept_tail(reported: str | None, limit: int) -> str | None:
     return tail_of_text(reported, limit)
 
 
+@operation(
+    Op(
+        "Report the outcome; the lease is removed",
+        JL,
+        CompleteRequest,
+        CompleteResponse,
+        _LEASE,
+        notes="`recorded` is false when the execution "
+        "had already ended (the orchestrator ended it first); the lease is removed either way.",
+    )
+)
 async def complete(svc: Deps, request: Request) -> Response:
     lease = await _lease_for(svc, request)
     body = await read_json(request, CompleteRequest, svc.settings.server.max_body_bytes)

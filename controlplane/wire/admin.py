@@ -51,7 +51,7 @@ class CreateApiKey(Strict):
     workspace_id: UUID | None = None
     ttl_seconds: TtlSeconds | None = None
 
-    # What __post_init__ refuses, in JSON Schema (web/openapi.py adds it to the component).
+    # What __post_init__ refuses, in JSON Schema (web/openapi/ adds it to the component).
     json_schema_extra: ClassVar[dict[str, Any]] = {
         "anyOf": [
             {"properties": {"kind": {"const": "orchestrator"}}},

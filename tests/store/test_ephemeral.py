@@ -16,18 +16,19 @@ import asyncpg
 import pytest
 
 from controlplane.domain.runner_instances import RunnerState
-from controlplane.errors import InvalidInput, Unauthorized
-from controlplane.store import ephemeral, locks, runner_reports
-from controlplane.store.ephemeral import (
+from controlplane.errors import (
     EphemeralTokenActive,
-    MintedToken,
+    InvalidInput,
     RateLimitUnavailable,
     RegistrationRateLimited,
     RegistrationTokenConsumed,
     RegistrationTokenExpired,
     RegistrationTokenWorkspaceMismatch,
     ReservationCapacityExhausted,
+    Unauthorized,
 )
+from controlplane.store import ephemeral, locks, runner_reports
+from controlplane.store.ephemeral import MintedToken
 from controlplane.store.pool import Conn
 from controlplane.store.provisioners import Provisioner
 from controlplane.store.runner_instances import ReservationExpired, ReservationNotFound

@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from controlplane.errors import DatabaseUnavailable
 from controlplane.store.pool import PoolSettings, create_pool
 
 DEADLINE = 0.5
@@ -18,7 +19,7 @@ async def test_an_acquire_that_has_to_wait_gives_up_at_the_deadline(database_url
         async with pool.acquire():
             assert pool.get_idle_size() == 0
             started = anyio.current_time()
-            with anyio.fail_after(30), pytest.raises(TimeoutError):
+            with anyio.fail_after(30), pytest.raises(DatabaseUnavailable):
                 async with pool.acquire():
                     pass
             assert anyio.current_time() - started >= 0.9 * DEADLINE

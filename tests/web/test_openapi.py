@@ -9,10 +9,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
+from controlplane import errors
 from controlplane.web import app as web_app
 from controlplane.web import openapi
+from controlplane.web.operations import Op
+from controlplane.web.operations import operation as declare
 from tests.web.conftest import Api
 
 COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
@@ -172,3 +178,67 @@ async def test_bearer_takes_exactly_one_space_as_documented(api: Api) -> None:
         response = await api.http.get("/v1/admin/queue", headers={"Authorization": header})
         assert response.status_code == 401, header
         assert response.json()["error"]["code"] == "unauthorized"
+
+
+def _server_error_classes() -> list[type[errors.ControlPlaneError]]:
+    found: list[type[errors.ControlPlaneError]] = []
+    todo: list[type[errors.ControlPlaneError]] = [errors.ControlPlaneError]
+    while todo:
+        kind = todo.pop()
+        todo.extend(kind.__subclasses__())
+        if kind.__module__.startswith("controlplane.") and "agent" not in kind.__module__:
+            found.append(kind)
+    return found
+
+
+def test_every_error_class_has_its_own_code_and_says_when_it_is_raised() -> None:
+    owners: dict[str, type[errors.ControlPlaneError]] = {}
+    for kind in _server_error_classes():
+        if kind.__module__ == errors.__name__:  # where every error class belongs
+            assert errors.when(kind), f"{kind.__qualname__} has no docstring"
+        if "code" in vars(kind):
+            assert kind.code not in owners, (kind, owners.get(kind.code))
+            owners[kind.code] = kind
+    catalogue = errors.catalogue()
+    assert {code: catalogue[code] for code in owners} == owners
+    # The codes the document uses are the classes' own.
+    document = json.loads(COMMITTED.read_text())
+    for item in document["paths"].values():
+        for operation in item.values():
+            for status, response in operation["responses"].items():
+                schema = response.get("content", {}).get("application/json", {}).get("schema")
+                if not status.startswith(("4", "5")) or "allOf" not in schema:
+                    continue  # readyz's own 503 body is no error envelope
+                for code in schema["allOf"][1]["properties"]["error"]["properties"]["code"]["enum"]:
+                    assert openapi.status(code) == int(status), code
+                    assert f"`{code}`: {errors.when(catalogue[code])}" in response["description"]
+
+
+def test_an_error_class_defined_anywhere_is_catalogued_without_a_table() -> None:
+    class ProbeRefused(errors.Conflict):
+        """the probe was refused"""
+
+        code = "probe-refused-for-a-test"
+
+    catalogue = errors.catalogue()
+    assert catalogue["probe-refused-for-a-test"] is ProbeRefused
+    assert errors.when(ProbeRefused) == "the probe was refused"
+    assert list(catalogue).index("conflict") < list(catalogue).index("probe-refused-for-a-test")
+
+
+async def _undeclared(_request: Request) -> Response:
+    return Response()
+
+
+@declare(Op("Declares a code no class owns", errors="no-such-code-anywhere"))
+async def _unowned(_request: Request) -> Response:
+    return Response()
+
+
+def test_an_endpoint_must_declare_its_operation_and_only_codes_a_class_owns() -> None:
+    with pytest.raises(ValueError, match="GET /undeclared declares no operation"):
+        openapi.document([Route("/undeclared", _undeclared, methods=["GET"])])
+    with pytest.raises(ValueError, match="no error class owns"):
+        openapi.document([Route("/unowned", _unowned, methods=["GET"])])
+    routes = web_app.build(None).routes
+    assert openapi.encode(openapi.document(routes)) == COMMITTED.read_bytes(), REGENERATE
