@@ -21,13 +21,13 @@ import asyncpg
 from controlplane import metrics
 from controlplane.domain.jobs import EndedLease, StaleRule
 from controlplane.store import (
-    demand,
     ephemeral,
     fleet,
     leases,
     locks,
+    reservation_cleanup,
     retention,
-    runner_reports,
+    runner_release,
     sessions,
 )
 from controlplane.store.pool import PoolSettings, connect
@@ -147,7 +147,7 @@ class Maintenance:
                 expired = await leases.reap(conn, self._rule, limit=self._reaper_limit)
                 # A provisioned runner whose lease expired may be gone: its unit, if it still
                 # holds one, goes back once the runner is terminal (spec 4.14).
-                released = await runner_reports.release_after_leases(conn, expired)
+                released = await runner_release.release_after_leases(conn, expired)
             if released:
                 metrics.units_released.labels("maintenance").inc(released)
             if expired:
@@ -202,11 +202,13 @@ class Maintenance:
             return (0, 0, 0)
         expired = reaped = pruned = 0
         async with self._pool.acquire() as conn:
-            while (n := await demand.delete_expired_reservations(conn, plan.batch)) > 0:
+            while (
+                n := await reservation_cleanup.delete_expired_reservations(conn, plan.batch)
+            ) > 0:
                 expired += n
                 if n < plan.batch:
                     break
-            reaped, released = await runner_reports.reap_stale_runners(
+            reaped, released = await runner_release.reap_stale_runners(
                 conn, threshold=plan.stale_threshold, limit=plan.reaper_limit
             )
             pruned = await retention.prune_runner_credentials(

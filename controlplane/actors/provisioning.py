@@ -42,11 +42,11 @@ from controlplane import metrics
 from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template, warm_pool_launches
 from controlplane.domain.labels import LabelSet
-from controlplane.store import demand, reservations
-from controlplane.store.demand import TerminateReason
+from controlplane.domain.provisioners import Fence, Provisioner
+from controlplane.domain.terminate_intents import TerminateReason
+from controlplane.store import demand, reservation_cleanup, reservations
 from controlplane.store.pool import Conn
-from controlplane.store.provisioner_sessions import Fence, hold_fence
-from controlplane.store.provisioners import Provisioner
+from controlplane.store.provisioner_sessions import hold_fence
 from controlplane.wire import control as wire
 
 log = logging.getLogger("controlplane.provisioning")
@@ -320,7 +320,7 @@ class ProvisionerActor:
     async def _forget(self, reservation_ids: list[UUID]) -> None:
         try:
             async with self.pool.acquire() as conn, conn.transaction():
-                await demand.delete_reservations(conn, reservation_ids)
+                await reservation_cleanup.delete_reservations(conn, reservation_ids)
         except Exception:
             log.exception(
                 "provisioning.grant_release_failed",

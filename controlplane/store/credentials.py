@@ -7,31 +7,16 @@ unique key. Raw tokens never reach this module except to be hashed by domain.tok
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from uuid import UUID
 
 import asyncpg
 
 from controlplane.domain import tokens
+from controlplane.domain.credentials import Credential
 from controlplane.errors import NotFound
 from controlplane.store import pages
 from controlplane.store.pool import Conn
-
-
-@dataclass(frozen=True, slots=True)
-class Credential:
-    """An API key or a manual registration token, as stored (never the raw value)."""
-
-    id: UUID
-    kind: str  # 'orchestrator', 'admin' or 'manual-registration'
-    name: str
-    workspace_id: UUID | None
-    display_prefix: str
-    created_at: datetime
-    expires_at: datetime | None
-    revoked_at: datetime | None
-    revocation_reason: str | None  # what the admin who revoked it gave, if anything
 
 
 def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
@@ -107,7 +92,7 @@ async def create_api_key(
         INSERT INTO api_keys (kind, name, workspace_id, token_sha256, display_prefix, expires_at)
         VALUES ($1, $2, $3, $4, $5, now() + $6::interval)
         RETURNING kind, {_COLUMNS}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS
         kind,
         name,
         workspace_id,
@@ -124,7 +109,7 @@ async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | 
         f"""
         SELECT kind, token_sha256, {_COLUMNS} FROM api_keys
         WHERE token_sha256 = $1 AND kind = $2
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS
         sha256,
         kind,
     )
@@ -134,7 +119,7 @@ async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | 
 
 
 async def api_key_by_id(conn: Conn, key_id: UUID) -> Credential | None:
-    row = await conn.fetchrow(f"SELECT kind, {_COLUMNS} FROM api_keys WHERE id = $1", key_id)
+    row = await conn.fetchrow(f"SELECT kind, {_COLUMNS} FROM api_keys WHERE id = $1", key_id)  # noqa: S608 -- interpolates constants only: _COLUMNS
     return None if row is None else _credential(row)
 
 
@@ -146,7 +131,7 @@ async def list_api_keys(
         SELECT kind, {_COLUMNS} FROM api_keys
         WHERE ($4::text IS NULL OR kind = $4) AND {pages.BEFORE}
         ORDER BY {pages.NEWEST_FIRST}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS, pages.BEFORE, pages.NEWEST_FIRST
         *pages.args(before, limit),
         kind,
     )
@@ -159,7 +144,7 @@ async def revoke_api_key(conn: Conn, key_id: UUID, *, reason: str | None = None)
         f"""
         UPDATE api_keys SET {_REVOKE} WHERE id = $1
         RETURNING kind, {_COLUMNS}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _REVOKE, _COLUMNS
         key_id,
         reason,
     )
@@ -186,7 +171,7 @@ async def create_manual_token(
             (workspace_id, name, token_sha256, display_prefix, expires_at)
         VALUES ($1, $2, $3, $4, now() + $5::interval)
         RETURNING {_COLUMNS}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS
         workspace_id,
         name,
         token.sha256,
@@ -199,7 +184,7 @@ async def create_manual_token(
 
 async def manual_token_by_digest(conn: Conn, sha256: str) -> Credential | None:
     row = await conn.fetchrow(
-        f"SELECT token_sha256, {_COLUMNS} FROM manual_registration_tokens WHERE token_sha256 = $1",
+        f"SELECT token_sha256, {_COLUMNS} FROM manual_registration_tokens WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
         sha256,
     )
     if row is None or not tokens.same_digest(row["token_sha256"], sha256):
@@ -209,7 +194,8 @@ async def manual_token_by_digest(conn: Conn, sha256: str) -> Credential | None:
 
 async def manual_token_by_id(conn: Conn, token_id: UUID) -> Credential | None:
     row = await conn.fetchrow(
-        f"SELECT {_COLUMNS} FROM manual_registration_tokens WHERE id = $1", token_id
+        f"SELECT {_COLUMNS} FROM manual_registration_tokens WHERE id = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
+        token_id,
     )
     return None if row is None else _credential(row, "manual-registration")
 
@@ -226,7 +212,7 @@ async def list_manual_tokens(
         SELECT {_COLUMNS} FROM manual_registration_tokens
         WHERE ($4::uuid IS NULL OR workspace_id = $4) AND {pages.BEFORE}
         ORDER BY {pages.NEWEST_FIRST}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS, pages.BEFORE, pages.NEWEST_FIRST
         *pages.args(before, limit),
         workspace_id,
     )
@@ -243,7 +229,7 @@ async def revoke_manual_token(
         UPDATE manual_registration_tokens SET {_REVOKE}
         WHERE id = $1 AND ($3::uuid IS NULL OR workspace_id = $3)
         RETURNING {_COLUMNS}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _REVOKE, _COLUMNS
         token_id,
         reason,
         workspace_id,

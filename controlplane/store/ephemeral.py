@@ -36,13 +36,14 @@ from controlplane.errors import (
     ControlPlaneError,
     InvalidInput,
     RateLimited,
+    ReservationExpired,
+    ReservationNotFound,
     Unauthorized,
     Unavailable,
 )
 from controlplane.store import locks, sessions
 from controlplane.store.pool import Conn
 from controlplane.store.reservations import lock_assignments, lock_workspace
-from controlplane.store.runner_instances import ReservationExpired, ReservationNotFound
 
 log = logging.getLogger("controlplane.ephemeral")
 

@@ -14,11 +14,11 @@ from starlette.routing import Route
 
 from controlplane.domain import fleet as views
 from controlplane.domain import tokens
+from controlplane.domain.credentials import Credential
 from controlplane.domain.labels import label_error
 from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import InvalidInput
 from controlplane.store import credentials, executions, fleet, queries
-from controlplane.store.credentials import Credential
 from controlplane.store.pool import Conn
 from controlplane.web import auth
 from controlplane.web.edge import (

@@ -12,12 +12,12 @@ from uuid import UUID
 from starlette.requests import HTTPConnection, Request
 
 from controlplane.domain import tokens
+from controlplane.domain.control_sessions import ActivationGrant, ControlSession
+from controlplane.domain.credentials import Credential
 from controlplane.domain.jobs import JobIdentity, SessionClaims
+from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import Forbidden, Unauthorized
-from controlplane.store import credentials, ephemeral, provisioners, runner_instances
-from controlplane.store.credentials import Credential
-from controlplane.store.provisioners import Provisioner
-from controlplane.store.runner_instances import ActivationGrant, ControlSession
+from controlplane.store import activations, control_sessions, credentials, ephemeral, provisioners
 from controlplane.web.edge import bearer
 from controlplane.web.services import Services
 
@@ -128,7 +128,7 @@ async def control_session(request: HTTPConnection) -> ControlSession:
     except tokens.TokenError as error:
         raise Unauthorized() from error
     async with svc.pool.acquire() as conn:
-        found = await runner_instances.control_session_by_digest(conn, digest)
+        found = await control_sessions.control_session_by_digest(conn, digest)
     if found is None:
         raise Unauthorized()
     return found
@@ -143,7 +143,7 @@ async def activation(request: HTTPConnection) -> ActivationGrant:
     except tokens.TokenError as error:
         raise Unauthorized() from error
     async with svc.pool.acquire() as conn:
-        found = await runner_instances.activation_by_digest(conn, digest)
+        found = await activations.activation_by_digest(conn, digest)
     if found is None:
         raise Unauthorized()
     return found

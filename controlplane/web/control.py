@@ -24,10 +24,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from controlplane.actors.control import LocalSession
 from controlplane.actors.provisioning import Fenced, Limits, ProvisionerActor
 from controlplane.domain.demand import Reservation
+from controlplane.domain.provisioners import Fence, Provisioner
 from controlplane.errors import ControlPlaneError, InvalidInput, Unauthorized, Unavailable
 from controlplane.store import provisioner_sessions, reservations
-from controlplane.store.provisioner_sessions import Fence
-from controlplane.store.provisioners import Provisioner
 from controlplane.web import auth, edge
 from controlplane.web import control_requests as handlers
 from controlplane.web.errors import DATABASE_FAULTS

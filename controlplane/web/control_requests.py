@@ -20,12 +20,19 @@ from controlplane.actors.control import LocalSession
 from controlplane.actors.provisioning import Advertisement, Fenced, ProvisionerActor
 from controlplane.domain.demand import Template, reservation_ttl
 from controlplane.domain.labels import canonicalise, strip_reserved
+from controlplane.domain.provisioners import Fence, Provisioner
+from controlplane.domain.reports import ReconcileOutcome, RunnerEvent
 from controlplane.domain.runner_instances import RunnerState
-from controlplane.errors import InvalidInput
-from controlplane.store import demand, runner_instances, runner_reports
+from controlplane.errors import InvalidInput, RunnerNotAssignable
+from controlplane.store import (
+    control_sessions,
+    demand_inputs,
+    reconcile,
+    runner_instances,
+    runner_reports,
+)
 from controlplane.store.pool import Conn
-from controlplane.store.provisioner_sessions import Fence, hold_fence
-from controlplane.store.provisioners import Provisioner
+from controlplane.store.provisioner_sessions import hold_fence
 from controlplane.web import ephemeral
 from controlplane.web.services import Services
 from controlplane.wire import control as wire
@@ -80,7 +87,7 @@ async def handle(
         case wire.Advertise():
             templates = templates_of(svc, provisioner, message.templates)
             async with fenced(svc, session) as conn:
-                await demand.replace_templates(
+                await demand_inputs.replace_templates(
                     conn, provisioner.id, provisioner.workspace_id, templates
                 )
             ttl = reservation_ttl(
@@ -133,9 +140,9 @@ async def handle(
                     assigned = await runner_instances.assign(
                         conn, provisioner.id, message.reservation_id, message.runner_instance_ids
                     )
-            except runner_instances.PROMOTION_FAILURES as error:
+            except control_sessions.PROMOTION_FAILURES as error:
                 reason = error.code
-                if isinstance(error, runner_instances.RunnerNotAssignable):
+                if isinstance(error, RunnerNotAssignable):
                     reason = error.reason
                 metrics.assignments_rejected.labels(reason, "provisioner").inc()
                 raise
@@ -167,7 +174,7 @@ async def handle(
             if len(set(observed)) != len(observed):
                 raise InvalidInput("observed_provider_runner_ids must be unique")
             async with fenced(svc, session) as conn:
-                result = await runner_reports.reconcile(
+                result = await reconcile.reconcile(
                     conn,
                     provisioner,
                     observed,
@@ -189,8 +196,8 @@ async def handle(
     raise InvalidInput(f"unexpected message {type(message).__name__}")
 
 
-def _event(event: wire.ReportEvent) -> runner_reports.RunnerEvent:
-    return runner_reports.RunnerEvent(
+def _event(event: wire.ReportEvent) -> RunnerEvent:
+    return RunnerEvent(
         provider_runner_id=event.provider_runner_id,
         state=RunnerState(event.state),
         reported_at=event.reported_at,
@@ -203,7 +210,7 @@ def _event(event: wire.ReportEvent) -> runner_reports.RunnerEvent:
     )
 
 
-def _reconciled(request_id: str, result: runner_reports.ReconcileOutcome) -> wire.Reconciled:
+def _reconciled(request_id: str, result: ReconcileOutcome) -> wire.Reconciled:
     return wire.Reconciled(
         request_id=request_id,
         runners=[

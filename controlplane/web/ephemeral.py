@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import InvalidInput
 from controlplane.store import ephemeral
 from controlplane.store.pool import Conn
-from controlplane.store.provisioners import Provisioner
 from controlplane.web.services import Services
 from controlplane.wire import control as wire
 

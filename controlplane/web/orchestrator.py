@@ -12,12 +12,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from controlplane import metrics
+from controlplane.domain.credentials import Credential
 from controlplane.domain.jobs import JobIdentity, NewJob, Outcome
 from controlplane.domain.labels import canonicalise
 from controlplane.domain.waiting import why_waiting
 from controlplane.errors import InvalidInput, NotFound, PayloadTooLarge
 from controlplane.store import events, executions, job_views, leases, queue
-from controlplane.store.credentials import Credential
 from controlplane.web import auth, jobs
 from controlplane.web.edge import (
     json_response,

@@ -10,10 +10,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from controlplane.domain import tokens
+from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import InvalidInput
 from controlplane.store import provisioners
 from controlplane.store.pool import Conn
-from controlplane.store.provisioners import Provisioner
 from controlplane.web import auth
 from controlplane.web.edge import json_response, path_uuid, query_only, query_uuid, read_json
 from controlplane.web.idempotency import create_once, revoke_once

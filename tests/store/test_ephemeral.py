@@ -15,8 +15,10 @@ import anyio
 import asyncpg
 import pytest
 
+from controlplane.domain.provisioners import Provisioner
+from controlplane.domain.reports import RunnerEvent
 from controlplane.domain.runner_instances import RunnerState
-from controlplane.errors import InvalidInput, Unauthorized
+from controlplane.errors import InvalidInput, ReservationExpired, ReservationNotFound, Unauthorized
 from controlplane.store import ephemeral, locks, runner_reports
 from controlplane.store.ephemeral import (
     EphemeralTokenActive,
@@ -29,9 +31,6 @@ from controlplane.store.ephemeral import (
     ReservationCapacityExhausted,
 )
 from controlplane.store.pool import Conn
-from controlplane.store.provisioners import Provisioner
-from controlplane.store.runner_instances import ReservationExpired, ReservationNotFound
-from controlplane.store.runner_reports import RunnerEvent
 from tests import provisioning
 from tests.factories import holding, holding_lock, wait_until_blocked
 from tests.provisioning import provisioner, reservation

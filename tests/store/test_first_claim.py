@@ -21,7 +21,7 @@ from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template
 from controlplane.domain.jobs import SessionClaims
 from controlplane.errors import RunnerSessionExhausted
-from controlplane.store import demand, locks, queue, runner_instances
+from controlplane.store import activations, demand, locks, queue
 from controlplane.store.pool import Conn
 from tests import provisioning
 from tests.factories import holding_lock, new_job, wait_until_blocked
@@ -39,11 +39,11 @@ async def _activated(conn: Conn, workspace: UUID, count: int) -> tuple[UUID, UUI
     runner = await provisioning.runner(
         conn, p.id, workspace_id=workspace, reservation_id=r, assigned=True
     )
-    token, _ = await runner_instances.issue_activation_token(conn, runner, TTL)
+    token, _ = await activations.issue_activation_token(conn, runner, TTL)
     assert token is not None
-    grant = await runner_instances.activation_by_digest(conn, tokens.digest(token))
+    grant = await activations.activation_by_digest(conn, tokens.digest(token))
     assert grant is not None
-    session = await runner_instances.consume_activation(
+    session = await activations.consume_activation(
         conn, grant, labels=("linux",), capabilities=None
     )
     return p.id, r, runner, session.id
