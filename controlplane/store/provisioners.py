@@ -36,7 +36,7 @@ from controlplane.errors import NotFound
 from controlplane.store import pages
 from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
-from controlplane.store.reservations import lock_workspace
+from controlplane.store.reservations import ACTIVE_SQL, lock_workspace
 from controlplane.store.runner_release import lock_linked_runners, release_terminal
 
 # A provisioner was last seen when its token last authenticated or its control session last
@@ -172,14 +172,14 @@ async def revoke(conn: Conn, provisioner_id: UUID, *, reason: str | None = None)
             sessionless = [
                 row["id"]
                 for row in await conn.fetch(
-                    """
+                    f"""
                     SELECT id FROM runner_instances
                      WHERE provisioner_id = $1 AND runner_session_id IS NULL
-                       AND (state IN ('starting', 'running', 'stopping')
+                       AND (state IN {ACTIVE_SQL}
                             OR (reservation_released_at IS NULL
                                 AND (reservation_id IS NOT NULL
                                      OR intended_reservation_id IS NOT NULL)))
-                    """,
+                    """,  # noqa: S608 -- interpolates constants only: ACTIVE_SQL
                     provisioner_id,
                 )
             ]
@@ -235,11 +235,11 @@ async def _cascade(conn: Conn, provisioner_id: UUID, sessionless: list[UUID]) ->
         provisioner_id,
     )
     await conn.execute(
-        """
+        f"""
         UPDATE runner_instances SET state = 'terminated', terminated_at = now(), updated_at = now()
          WHERE id = ANY($1::uuid[]) AND runner_session_id IS NULL
-           AND state IN ('starting', 'running', 'stopping')
-        """,
+           AND state IN {ACTIVE_SQL}
+        """,  # noqa: S608 -- interpolates constants only: ACTIVE_SQL
         sessionless,
     )
     await release_terminal(
