@@ -43,6 +43,7 @@ from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template, warm_pool_launches
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.provisioners import Fence, Provisioner
+from controlplane.domain.rounds import WorkspaceRound
 from controlplane.domain.terminate_intents import TerminateReason
 from controlplane.store import demand, reservation_cleanup, reservations
 from controlplane.store.pool import Conn
@@ -170,7 +171,7 @@ class ProvisionerActor:
             await self._workspace_round(outcome, advertisement, self.provisioner.workspace_id)
             return outcome
 
-        async def record(result: demand.WorkspaceRound) -> None:
+        async def record(result: WorkspaceRound) -> None:
             self._record(outcome, result)
 
         walk = await demand.allocate_installation(
@@ -215,7 +216,7 @@ class ProvisionerActor:
         self._record(outcome, result)
         outcome.remaining = result.allocation.remaining_templates
 
-    def _record(self, outcome: _Outcome, result: demand.WorkspaceRound) -> None:
+    def _record(self, outcome: _Outcome, result: WorkspaceRound) -> None:
         """Add one committed workspace round to what this round will push."""
         workspace_id = result.workspace_id
         allocation = result.allocation

@@ -11,7 +11,7 @@ outputs. Terminate intents are `store/terminate_intents.py`'s, reservation clean
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime, timedelta
 from uuid import UUID
 
@@ -28,6 +28,7 @@ from controlplane.domain.demand import (
     without_pending,
 )
 from controlplane.domain.labels import LabelSet, canonicalise
+from controlplane.domain.rounds import Grant, InstallationRound, WorkspaceRound
 from controlplane.domain.terminate_intents import TerminateIntent
 from controlplane.errors import BindingMismatch
 from controlplane.store.demand_inputs import covering_labels, read_inputs, reservations_by_id
@@ -42,46 +43,6 @@ from controlplane.store.reservations import (
     try_lock_workspace,
 )
 from controlplane.store.terminate_intents import terminate_intents, timeout_candidates
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """A launch reservation as the provisioner is told of it."""
-
-    reservation_id: UUID
-    workspace_id: UUID
-    labels: LabelSet
-    count: int
-    expires_at: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class WorkspaceRound:
-    """What one allocation transaction for one workspace committed."""
-
-    workspace_id: UUID
-    allocation: Allocation
-    grants: tuple[Grant, ...]
-    bound: int  # runners bound to bound reservations
-    rebound: int  # of those, runners launched for demand (activation outcome metric)
-    terminate_intents: tuple[TerminateIntent, ...] = ()
-    terminate_truncated: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class InstallationRound:
-    rounds: tuple[WorkspaceRound, ...]
-    skipped: tuple[UUID, ...]  # workspaces whose lock was busy this round
-    remaining_templates: tuple[Template, ...]
-    remaining_max: int
-
-    @property
-    def grants(self) -> tuple[Grant, ...]:
-        return tuple(g for r in self.rounds for g in r.grants)
-
-    @property
-    def newly_reserved(self) -> int:
-        return sum(r.allocation.newly_reserved for r in self.rounds)
 
 
 class _StaleCandidate(Exception):

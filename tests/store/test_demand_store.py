@@ -22,9 +22,9 @@ from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.provisioners import Provisioner
+from controlplane.domain.rounds import InstallationRound, WorkspaceRound
 from controlplane.domain.terminate_intents import TerminateIntent, TerminateReason
 from controlplane.store import demand, demand_inputs, locks
-from controlplane.store.demand import WorkspaceRound
 from controlplane.store.pool import Conn
 from tests import provisioning as rows
 from tests.factories import holding, holding_lock, wait_until_blocked
@@ -641,7 +641,7 @@ async def _older_demand(conn: Conn, labels: LabelSet, count: int) -> UUID:
 
 async def install(
     conn: Conn, inst: Provisioner, *, slots: int, max_reservations: int = 100, **kw: Any
-) -> demand.InstallationRound:
+) -> InstallationRound:
     return await demand.allocate_installation(
         conn,
         provisioner_id=inst.id,

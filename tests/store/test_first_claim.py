@@ -20,6 +20,7 @@ from controlplane.domain import tokens
 from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template
 from controlplane.domain.jobs import SessionClaims
+from controlplane.domain.rounds import WorkspaceRound
 from controlplane.errors import RunnerSessionExhausted
 from controlplane.store import activations, demand, locks, queue
 from controlplane.store.pool import Conn
@@ -121,7 +122,7 @@ async def test_a_claim_committing_during_a_round_is_never_granted_again(
         conn, workspace_id=workspace, provisioner_id=p.id, kind="bound"
     )
     await queue.enqueue(conn, [new_job(workspace)])
-    result: list[demand.WorkspaceRound | None] = []
+    result: list[WorkspaceRound | None] = []
     async with pool.acquire() as own:
 
         async def allocate() -> None:
