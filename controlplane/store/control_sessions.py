@@ -42,6 +42,7 @@ from controlplane.store.records import json_text
 from controlplane.store.reservations import lock_assignments, lock_reservations, lock_runners
 from controlplane.store.runner_instances import assign_locked
 
+# The logger keeps the name it had before the split: operators filter on it.
 log = logging.getLogger("controlplane.runner_instances")
 
 # The assignment failures enrollment swallows (spec 4.5 step 6): the runner stays enrolled.
