@@ -23,9 +23,10 @@ from anyio.abc import Process
 
 from controlplane import app
 from controlplane.domain import tokens
+from controlplane.domain.credentials import Credential
+from controlplane.domain.provisioners import Provisioner
 from controlplane.settings import Settings
 from controlplane.store import credentials, provisioners
-from controlplane.store.credentials import Credential
 from controlplane.store.embedded import mask_password
 from controlplane.store.pool import connect
 
@@ -40,7 +41,7 @@ _PREVIOUS = (
 )
 
 
-def _usable(found: Credential | provisioners.Provisioner | None, now: datetime) -> bool:
+def _usable(found: Credential | Provisioner | None, now: datetime) -> bool:
     return (
         found is not None
         and found.revoked_at is None

@@ -11,7 +11,9 @@ such a variant gets a class of its own here so that the catalogue knows it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+from uuid import UUID
 
 
 class ControlPlaneError(Exception):
@@ -363,3 +365,73 @@ def when(kind: type[ControlPlaneError]) -> str:
     """The first paragraph of a class's docstring, on one line: when it is raised, as the API
     reference says it."""
     return " ".join((kind.__doc__ or "").strip().split("\n\n", 1)[0].split())
+
+
+class BootstrapTokenInvalid(Unauthorized):
+    """the bootstrap token is unknown, used, revoked or expired
+
+    Raised by a booting runner's exchange for a control session (spec 4.3)."""
+
+    code = "runner-bootstrap-token-invalid"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the bootstrap token is unknown, used, revoked or expired",
+            code="runner-bootstrap-token-invalid",
+        )
+
+
+class ControlSessionInvalid(Conflict):
+    """the runner instance is gone, finished or stopping
+
+    A runner's control session asked for what its instance can no longer do (spec 4.5)."""
+
+    code = "runner-control-session-invalid"
+
+
+class ProviderRunnerIdTaken(Conflict):
+    """another instance of the provisioner has that provider id
+
+    Raised when a provider identity is attached (spec 4.2)."""
+
+    code = "provider-runner-id-taken"
+
+
+class ReservationNotFound(NotFound):
+    """No launch reservation of this provisioner with that id (bound ones included).
+
+    Raised by an assignment (spec 4.6) and by an ephemeral-token batch naming a reservation."""
+
+    code = "reservation-not-found"
+
+
+class ReservationExpired(Conflict):
+    """The named launch reservation exists but has expired (raised by an assignment, spec 4.6,
+    and by an ephemeral-token batch naming a reservation)."""
+
+    code = "reservation-expired"
+
+
+class RunnerNotAssignable(Conflict):
+    """An assignment (spec 4.6) was refused for some of the named runners. `reason` is one of:
+    runner-not-found, already-assigned, already-released, capacity-exhausted,
+    runner-not-running, provider-identity-missing, control-session-not-active,
+    labels-mismatch."""
+
+    code = "runner-instance-not-assignable"
+
+    def __init__(self, reason: str, runner_instance_ids: Sequence[UUID] = ()) -> None:
+        super().__init__(
+            f"runner instances cannot be assigned: {reason}",
+            reason=reason,
+            runner_instance_ids=[str(i) for i in runner_instance_ids],
+        )
+        self.reason = reason
+
+
+class BindingMismatch(Conflict):
+    """An allocation round's bind UPDATE matched fewer idle runners than it had locked and
+    re-checked: a bug, not a race (the locks exclude every writer), so the whole round rolls
+    back."""
+
+    code = "binding-mismatch"

@@ -11,9 +11,9 @@ from datetime import timedelta
 from uuid import UUID
 
 from controlplane.domain import tokens
+from controlplane.domain.provisioners import Provisioner
 from controlplane.store import provisioners, queue
 from controlplane.store.pool import Conn
-from controlplane.store.provisioners import Provisioner
 from tests.factories import new_job
 
 

@@ -11,8 +11,7 @@ never reach this module except to be hashed by domain.tokens first, or returned 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from uuid import UUID
 
 import anyio
@@ -20,25 +19,11 @@ import asyncpg
 
 from controlplane.domain import tokens
 from controlplane.domain.credential_rules import Family, NewCredential
+from controlplane.domain.credentials import Credential
+from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import NotFound
 from controlplane.store import pages, provisioners
 from controlplane.store.pool import Conn
-from controlplane.store.provisioners import Provisioner
-
-
-@dataclass(frozen=True, slots=True)
-class Credential:
-    """An API key or a manual registration token, as stored (never the raw value)."""
-
-    id: UUID
-    kind: str  # 'orchestrator', 'admin' or 'manual-registration'
-    name: str
-    workspace_id: UUID | None
-    display_prefix: str
-    created_at: datetime
-    expires_at: datetime | None
-    revoked_at: datetime | None
-    revocation_reason: str | None  # what the admin who revoked it gave, if anything
 
 
 def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
@@ -141,7 +126,7 @@ async def create_api_key(
         INSERT INTO api_keys (kind, name, workspace_id, token_sha256, display_prefix, expires_at)
         VALUES ($1, $2, $3, $4, $5, now() + $6::interval)
         RETURNING kind, {_COLUMNS}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS
         kind,
         name,
         workspace_id,
@@ -158,7 +143,7 @@ async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | 
         f"""
         SELECT kind, token_sha256, {_COLUMNS} FROM api_keys
         WHERE token_sha256 = $1 AND kind = $2
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS
         sha256,
         kind,
     )
@@ -168,7 +153,7 @@ async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | 
 
 
 async def api_key_by_id(conn: Conn, key_id: UUID) -> Credential | None:
-    row = await conn.fetchrow(f"SELECT kind, {_COLUMNS} FROM api_keys WHERE id = $1", key_id)
+    row = await conn.fetchrow(f"SELECT kind, {_COLUMNS} FROM api_keys WHERE id = $1", key_id)  # noqa: S608 -- interpolates constants only: _COLUMNS
     return None if row is None else _credential(row)
 
 
@@ -180,7 +165,7 @@ async def list_api_keys(
         SELECT kind, {_COLUMNS} FROM api_keys
         WHERE ($4::text IS NULL OR kind = $4) AND {pages.BEFORE}
         ORDER BY {pages.NEWEST_FIRST}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS, pages.BEFORE, pages.NEWEST_FIRST
         *pages.args(before, limit),
         kind,
     )
@@ -193,7 +178,7 @@ async def revoke_api_key(conn: Conn, key_id: UUID, *, reason: str | None = None)
         f"""
         UPDATE api_keys SET {_REVOKE} WHERE id = $1
         RETURNING kind, {_COLUMNS}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _REVOKE, _COLUMNS
         key_id,
         reason,
     )
@@ -220,7 +205,7 @@ async def create_manual_token(
             (workspace_id, name, token_sha256, display_prefix, expires_at)
         VALUES ($1, $2, $3, $4, now() + $5::interval)
         RETURNING {_COLUMNS}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS
         workspace_id,
         name,
         token.sha256,
@@ -233,7 +218,7 @@ async def create_manual_token(
 
 async def manual_token_by_digest(conn: Conn, sha256: str) -> Credential | None:
     row = await conn.fetchrow(
-        f"SELECT token_sha256, {_COLUMNS} FROM manual_registration_tokens WHERE token_sha256 = $1",
+        f"SELECT token_sha256, {_COLUMNS} FROM manual_registration_tokens WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
         sha256,
     )
     if row is None or not tokens.same_digest(row["token_sha256"], sha256):
@@ -243,7 +228,8 @@ async def manual_token_by_digest(conn: Conn, sha256: str) -> Credential | None:
 
 async def manual_token_by_id(conn: Conn, token_id: UUID) -> Credential | None:
     row = await conn.fetchrow(
-        f"SELECT {_COLUMNS} FROM manual_registration_tokens WHERE id = $1", token_id
+        f"SELECT {_COLUMNS} FROM manual_registration_tokens WHERE id = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
+        token_id,
     )
     return None if row is None else _credential(row, "manual-registration")
 
@@ -260,7 +246,7 @@ async def list_manual_tokens(
         SELECT {_COLUMNS} FROM manual_registration_tokens
         WHERE ($4::uuid IS NULL OR workspace_id = $4) AND {pages.BEFORE}
         ORDER BY {pages.NEWEST_FIRST}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS, pages.BEFORE, pages.NEWEST_FIRST
         *pages.args(before, limit),
         workspace_id,
     )
@@ -277,7 +263,7 @@ async def revoke_manual_token(
         UPDATE manual_registration_tokens SET {_REVOKE}
         WHERE id = $1 AND ($3::uuid IS NULL OR workspace_id = $3)
         RETURNING {_COLUMNS}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _REVOKE, _COLUMNS
         token_id,
         reason,
         workspace_id,

@@ -1,18 +1,18 @@
-"""Demand allocation over PostgreSQL: advertised templates, one allocation round per workspace,
-one workspace of an installation walk, terminate intents, and reservation cleanup.
+"""Demand allocation over PostgreSQL: one allocation round per workspace, with the binding of
+idle runners it decides, and one workspace of an installation provisioner's walk (the walk
+itself is the provisioner actor's).
 
 The decisions are `domain.demand.allocate` and `domain.binding.is_bindable`; this module reads
-their inputs under the locks that make them true, and writes their outputs. The lock order of
-every transaction here is the global one of `store/reservations.py`; each function says which
-locks it takes. Reservation cleanup is the one exception the global order allows (runner rows
-before reservation rows), and the reason the two cannot deadlock is in its docstring.
+their inputs under the locks that make them true (`store/demand_inputs.py`), and writes their
+outputs. Terminate intents are `store/terminate_intents.py`'s, reservation cleanup
+`store/reservation_cleanup.py`'s. The lock order of every transaction here is the global one of
+`store/reservations.py`; each function says which locks it takes.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime, timedelta
 from uuid import UUID
 
@@ -20,8 +20,6 @@ from controlplane.domain.binding import BindTarget, Scope, is_bindable
 from controlplane.domain.demand import (
     Allocation,
     AllocationInputs,
-    DemandGroup,
-    Reservation,
     ReservationKind,
     Template,
     allocate,
@@ -29,254 +27,25 @@ from controlplane.domain.demand import (
     without_pending,
 )
 from controlplane.domain.labels import LabelSet, canonicalise
-from controlplane.domain.runner_instances import activation_timed_out
-from controlplane.errors import Conflict
+from controlplane.domain.rounds import Grant, WorkspaceRound
+from controlplane.domain.terminate_intents import TerminateIntent
+from controlplane.errors import BindingMismatch
+from controlplane.store.demand_inputs import covering_labels, read_inputs, reservations_by_id
 from controlplane.store.pool import Conn
 from controlplane.store.reservations import (
-    RESERVATION_COLUMNS,
-    RUNNER_COLUMNS,
     db_now,
     load_runners,
-    lock_assignments,
-    lock_reservations,
     lock_runners,
     lock_workspace,
     notify_assigned,
     outstanding_grants,
-    reservation_from_row,
-    runner_from_row,
     try_lock_workspace,
 )
-
-_ACTIVE = "('starting', 'running', 'stopping')"
-
-
-class TerminateReason(enum.StrEnum):
-    JOB_CANCELLED = "job-cancelled"
-    ACTIVATION_TIMEOUT = "activation-timeout"
-
-
-@dataclass(frozen=True, slots=True)
-class TerminateIntent:
-    provider_runner_id: str
-    reason: TerminateReason
-    retry: bool  # an activation timeout already delivered (its unit was released then)
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """A launch reservation as the provisioner is told of it."""
-
-    reservation_id: UUID
-    workspace_id: UUID
-    labels: LabelSet
-    count: int
-    expires_at: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class WorkspaceRound:
-    """What one allocation transaction for one workspace committed."""
-
-    workspace_id: UUID
-    allocation: Allocation
-    grants: tuple[Grant, ...]
-    bound: int  # runners bound to bound reservations
-    rebound: int  # of those, runners launched for demand (activation outcome metric)
-    terminate_intents: tuple[TerminateIntent, ...] = ()
-    terminate_truncated: bool = False
-
-
-class BindingMismatch(Conflict):
-    """The bind UPDATE matched fewer runners than were locked and re-checked: a bug, not a race
-    (the locks exclude every writer), so the whole round rolls back."""
-
-    code = "binding-mismatch"
+from controlplane.store.terminate_intents import terminate_intents, timeout_candidates
 
 
 class _StaleCandidate(Exception):
     """A locked idle runner failed the fresh re-check: roll back the savepoint and reallocate."""
-
-
-# --- templates ----------------------------------------------------------------------------------
-
-
-async def replace_templates(
-    conn: Conn, provisioner_id: UUID, workspace_id: UUID | None, templates: Sequence[Template]
-) -> None:
-    """Replace the provisioner's advertised templates (an empty list withdraws them), labels
-    canonical. A repeated template key keeps its first advertisement.
-
-    Locks: the provisioner's template rows (by the DELETE), in one transaction (a savepoint
-    inside the caller's), so readers see the old set or the new one, never none.
-    """
-    keys = []
-    seen: set[str] = set()
-    for template in templates:
-        labels = canonicalise(template.labels)
-        if labels and template.key not in seen:  # an empty label set serves nothing
-            seen.add(template.key)
-            keys.append(replace(template, labels=labels))
-    async with conn.transaction():
-        await conn.execute(
-            "DELETE FROM provisioner_templates WHERE provisioner_id = $1", provisioner_id
-        )
-        if keys:
-            await conn.executemany(
-                """
-                INSERT INTO provisioner_templates
-                    (provisioner_id, template_key, workspace_id, labels, available_slots, starting,
-                     running, idle_target, advertised_at)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now())
-                """,
-                [
-                    (
-                        provisioner_id,
-                        t.key,
-                        workspace_id,
-                        list(t.labels),
-                        t.available_slots,
-                        t.starting,
-                        t.running,
-                        t.idle_target,
-                    )
-                    for t in keys
-                ],
-            )
-
-
-# --- reading the allocation inputs -----------------------------------------------------------
-
-
-async def _demand_and_reservations(
-    conn: Conn, workspace_id: UUID
-) -> tuple[list[DemandGroup], list[Reservation]]:
-    """The workspace's demand groups and all its reservations, read by one statement."""
-    rows = await conn.fetch(
-        """
-        SELECT 'demand' AS what, NULL::uuid AS id, NULL::uuid AS provisioner_id,
-               required_labels, count(*)::int AS count, min(created_at) AS at, NULL::text AS kind
-          FROM pending_jobs WHERE workspace_id = $1 GROUP BY required_labels
-        UNION ALL
-        SELECT 'reservation', id, provisioner_id, required_labels, count, expires_at, kind
-          FROM reservations WHERE workspace_id = $1
-        """,
-        workspace_id,
-    )
-    demand = [
-        DemandGroup(tuple(r["required_labels"]), r["count"], r["at"])
-        for r in rows
-        if r["what"] == "demand"
-    ]
-    reservations = sorted(
-        (
-            Reservation(
-                id=r["id"],
-                workspace_id=workspace_id,
-                provisioner_id=r["provisioner_id"],
-                labels=tuple(r["required_labels"]),
-                count=r["count"],
-                kind=ReservationKind(r["kind"]),
-                expires_at=r["at"],
-            )
-            for r in rows
-            if r["what"] == "reservation"
-        ),
-        key=lambda r: r.id,
-    )
-    return demand, reservations
-
-
-async def _workspace_reservations(conn: Conn, workspace_id: UUID) -> list[Reservation]:
-    rows = await conn.fetch(
-        f"SELECT {RESERVATION_COLUMNS} FROM reservations WHERE workspace_id = $1 ORDER BY id",
-        workspace_id,
-    )
-    return [reservation_from_row(r) for r in rows]
-
-
-async def _reservations_by_id(conn: Conn, ids: Collection[UUID]) -> list[Reservation]:
-    if not ids:
-        return []
-    rows = await conn.fetch(
-        f"SELECT {RESERVATION_COLUMNS} FROM reservations WHERE id = ANY($1::uuid[])", list(ids)
-    )
-    return [reservation_from_row(r) for r in rows]
-
-
-async def _covering_labels(conn: Conn, workspace_id: UUID, window: timedelta) -> list[LabelSet]:
-    """Label sets the workspace's own active provisioners advertised within `window`."""
-    rows = await conn.fetch(
-        """
-        SELECT DISTINCT pt.labels
-          FROM provisioner_templates pt
-          JOIN provisioner_tokens t ON t.id = pt.provisioner_id
-         WHERE pt.workspace_id = $1 AND t.scope = 'workspace' AND t.workspace_id = $1
-           AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > now())
-           AND pt.advertised_at > now() - $2::interval
-        """,
-        workspace_id,
-        window,
-    )
-    return [tuple(r["labels"]) for r in rows]
-
-
-async def _inputs(
-    conn: Conn,
-    *,
-    now: datetime,
-    workspace_id: UUID,
-    provisioner_id: UUID,
-    scope: Scope,
-    templates: Sequence[Template],
-    max_reservations: int,
-    launch_ttl: timedelta,
-    activation_grace: timedelta,
-    covering: Sequence[LabelSet],
-) -> AllocationInputs:
-    """Steps 3 to 5 of `domain.demand`: demand, the workspace's reservations with this
-    provisioner's live ones locked (assignment keys, then rows in id order), its runners."""
-    seen = await _workspace_reservations(conn, workspace_id)
-    own = [r.id for r in seen if r.provisioner_id == provisioner_id and r.is_live(now)]
-    await lock_assignments(conn, provisioner_id, own)
-    await lock_reservations(conn, own, provisioner_id=provisioner_id)
-    # A fresh statement after the locks: the counts of this provisioner's rows are now stable.
-    # Demand and reservations come from that one statement, so from one snapshot: a claim that
-    # commits in between (taking a pending job and releasing its unit) is seen whole or not at
-    # all, never as demand whose reservation is already gone (which would grant it again).
-    demand, reservations = await _demand_and_reservations(conn, workspace_id)
-    own_live = [r.id for r in reservations if r.provisioner_id == provisioner_id and r.is_live(now)]
-    rows = await conn.fetch(
-        f"""
-        SELECT {RUNNER_COLUMNS} FROM runner_instances ri
-         WHERE ri.provisioner_id = $1 AND ri.state IN {_ACTIVE}
-           AND ri.reservation_released_at IS NULL
-           AND (ri.runner_session_id IS NULL OR ri.reservation_id = ANY($2::uuid[])
-                OR ri.intended_reservation_id = ANY($2::uuid[]))
-         ORDER BY ri.id
-        """,
-        provisioner_id,
-        own_live,
-    )
-    runners = [runner_from_row(r) for r in rows]
-    known = {r.id for r in reservations}
-    referenced = {
-        i for r in runners for i in (r.reservation_id, r.intended_reservation_id) if i is not None
-    }
-    reservations += await _reservations_by_id(conn, referenced - known)
-    return AllocationInputs(
-        workspace_id=workspace_id,
-        provisioner_id=provisioner_id,
-        scope=scope,
-        demand=demand,
-        templates=templates,
-        reservations=reservations,
-        runners=runners,
-        max_reservations=max_reservations,
-        launch_ttl=launch_ttl,
-        activation_grace=activation_grace,
-        covering_labels=covering,
-    )
 
 
 # --- binding -------------------------------------------------------------------------------------
@@ -300,7 +69,7 @@ async def _lock_and_recheck(
     referenced = {
         i for r in fresh for i in (r.reservation_id, r.intended_reservation_id) if i is not None
     }
-    live = live_reservation_ids(await _reservations_by_id(conn, referenced), now)
+    live = live_reservation_ids(await reservations_by_id(conn, referenced), now)
     if len(fresh) != len(labels_of):
         raise _StaleCandidate
     for runner in fresh:
@@ -377,109 +146,6 @@ async def _bind(
         )
 
 
-# --- terminate intents -------------------------------------------------------------------------
-
-# Terminate intents (spec 3.6), shared with the honored-intent check of reports
-# (store/runner_reports.py): $1 workspace, $2 provisioner, $3 activation timeout (interval).
-CANCELLED_SQL = """
-    COALESCE((SELECT rj.cancellation_requested_at IS NOT NULL FROM running_jobs rj
-               WHERE rj.workspace_id = ri.workspace_id AND rj.provisioner_id = ri.provisioner_id
-                 AND rj.provider_runner_id = ri.provider_runner_id
-               ORDER BY rj.started_at DESC, rj.job_execution_id DESC LIMIT 1), false)
-"""
-TIMED_OUT_SQL = """
-    ($3::interval IS NOT NULL AND ri.launch_kind = 'demand' AND ri.runner_session_id IS NULL
-     AND ri.created_at < now() - $3::interval
-     AND NOT EXISTS (SELECT 1 FROM reservations r
-                      WHERE r.workspace_id = $1 AND r.provisioner_id = $2 AND r.expires_at > now()
-                        AND r.id IN (ri.reservation_id, ri.intended_reservation_id)))
-"""
-INTENT_ROWS_SQL = f"""
-    FROM runner_instances ri
-   WHERE ri.workspace_id = $1 AND ri.provisioner_id = $2 AND ri.provider_runner_id IS NOT NULL
-     AND ri.state IN {_ACTIVE}
-"""
-
-
-async def _timeout_candidates(
-    conn: Conn, workspace_id: UUID, provisioner_id: UUID, activation_timeout: timedelta | None
-) -> list[UUID]:
-    """Unlocked read of the runners an activation-timeout intent may mark released, so they can
-    be locked in id order together with the runners to bind."""
-    if activation_timeout is None:
-        return []
-    rows = await conn.fetch(
-        f"SELECT ri.id {INTENT_ROWS_SQL}"
-        f" AND ri.reservation_released_at IS NULL AND {TIMED_OUT_SQL}",
-        workspace_id,
-        provisioner_id,
-        activation_timeout,
-    )
-    return [r["id"] for r in rows]
-
-
-async def _terminate_intents(
-    conn: Conn,
-    *,
-    now: datetime,
-    workspace_id: UUID,
-    provisioner_id: UUID,
-    activation_timeout: timedelta | None,
-    limit: int,
-) -> tuple[tuple[TerminateIntent, ...], bool]:
-    """Spec 3.6: runners to terminate, sorted by provider id, at most `limit` (and whether more
-    existed). First deliveries of an activation timeout are marked released here."""
-    rows = await conn.fetch(
-        f"""
-        SELECT {RUNNER_COLUMNS}, {CANCELLED_SQL} AS cancelled {INTENT_ROWS_SQL}
-           AND ({CANCELLED_SQL} OR {TIMED_OUT_SQL})
-         ORDER BY ri.provider_runner_id LIMIT $4
-        """,
-        workspace_id,
-        provisioner_id,
-        activation_timeout,
-        limit + 1,
-    )
-    live = {
-        r["id"]
-        for r in await conn.fetch(
-            "SELECT id FROM reservations WHERE workspace_id = $1 AND provisioner_id = $2"
-            " AND expires_at > now()",
-            workspace_id,
-            provisioner_id,
-        )
-    }
-    intents: list[TerminateIntent] = []
-    first_timeouts: list[UUID] = []
-    for row in rows[:limit]:
-        runner = runner_from_row(row)
-        assert runner.provider_runner_id is not None
-        timed_out = activation_timeout is not None and activation_timed_out(
-            runner, live_reservation_ids=live, now=now, timeout=activation_timeout
-        )
-        if timed_out:
-            if not runner.released:
-                first_timeouts.append(runner.id)
-            intents.append(
-                TerminateIntent(
-                    runner.provider_runner_id, TerminateReason.ACTIVATION_TIMEOUT, runner.released
-                )
-            )
-        elif row["cancelled"]:
-            intents.append(
-                TerminateIntent(runner.provider_runner_id, TerminateReason.JOB_CANCELLED, False)
-            )
-    if first_timeouts:
-        await conn.execute(
-            """
-            UPDATE runner_instances SET reservation_released_at = now(), updated_at = now()
-             WHERE id = ANY($1::uuid[]) AND reservation_released_at IS NULL
-            """,
-            first_timeouts,
-        )
-    return tuple(intents), len(rows) > limit
-
-
 # --- one workspace ---------------------------------------------------------------------------
 
 
@@ -523,13 +189,13 @@ async def allocate_workspace(
         else:
             await lock_workspace(conn, workspace_id)
         covering = (
-            await _covering_labels(conn, workspace_id, covering_window)
+            await covering_labels(conn, workspace_id, covering_window)
             if covering_window is not None
             else []
         )
         intents_wanted = scope is Scope.WORKSPACE
         while True:
-            inputs = await _inputs(
+            inputs = await read_inputs(
                 conn,
                 now=now,
                 workspace_id=workspace_id,
@@ -545,7 +211,7 @@ async def allocate_workspace(
             if max_reservations == 0:
                 break
             candidates = (
-                await _timeout_candidates(conn, workspace_id, provisioner_id, activation_timeout)
+                await timeout_candidates(conn, workspace_id, provisioner_id, activation_timeout)
                 if intents_wanted
                 else []
             )
@@ -592,7 +258,7 @@ async def allocate_workspace(
         intents: tuple[TerminateIntent, ...] = ()
         truncated = False
         if intents_wanted:
-            intents, truncated = await _terminate_intents(
+            intents, truncated = await terminate_intents(
                 conn,
                 now=now,
                 workspace_id=workspace_id,
@@ -675,93 +341,3 @@ async def allocate_in_walk(
         try_lock=True,
         activation_timeout=activation_timeout,
     )
-
-
-# --- reservation cleanup -----------------------------------------------------------------------
-
-
-async def delete_reservations(conn: Conn, ids: Collection[UUID]) -> int:
-    """Delete these reservations (launch grants a provisioner never received, or any other),
-    unbinding their unactivated runners (spec 4.11). Returns the rows deleted. Locks: see
-    `_delete`."""
-    async with conn.transaction():
-        return await _delete(conn, sorted(set(ids)), expired_only=False)
-
-
-async def delete_expired_reservations(conn: Conn, limit: int = 1000) -> int:
-    """Delete up to `limit` expired reservations, oldest expiry first (maintenance). Locks: see
-    `_delete`."""
-    async with conn.transaction():
-        rows = await conn.fetch(
-            "SELECT id FROM reservations WHERE expires_at < now() ORDER BY expires_at, id LIMIT $1",
-            limit,
-        )
-        return await _delete(conn, [r["id"] for r in rows], expired_only=True)
-
-
-async def _delete(conn: Conn, ids: Sequence[UUID], *, expired_only: bool) -> int:
-    """Locks: the affected runner rows one at a time in ascending id, then the reservation rows
-    FOR UPDATE in id order; no advisory lock.
-
-    This reverses the global order (runner rows before reservation rows). It cannot deadlock
-    with allocation: allocation locks reservation rows only of live reservations of its own
-    provisioner, and runner rows in the same ascending id order one at a time, so the two meet
-    on runner rows in one order, and only cleanup then waits on a reservation row. With an
-    assignment (reservation row, then runner rows) it meets only on live reservations, which
-    maintenance does not delete; a disconnect deletes grants nobody has assigned against yet.
-    """
-    if not ids:
-        return 0
-    affected = await conn.fetch(
-        """
-        SELECT id FROM runner_instances
-         WHERE (reservation_id = ANY($1::uuid[]) AND runner_session_id IS NULL
-                AND reservation_released_at IS NULL)
-            OR intended_reservation_id = ANY($1::uuid[])
-         ORDER BY id
-        """,
-        list(ids),
-    )
-    runner_ids = [r.id for r in await lock_runners(conn, [r["id"] for r in affected])]
-    locked = await lock_reservations(conn, ids)
-    if expired_only:
-        now = await db_now(conn)
-        locked = [r for r in locked if r.expires_at < now]
-    if not locked:
-        return 0
-    reservation_ids = [r.id for r in locked]
-    unbind = """
-        FROM runner_instances ri
-       WHERE ri.id = ANY($1::uuid[]) AND ri.reservation_id = ANY($2::uuid[])
-         AND ri.runner_session_id IS NULL AND ri.reservation_released_at IS NULL
-    """
-    await conn.execute(
-        f"""
-        UPDATE runner_activation_tokens SET revoked_at = now()
-         WHERE consumed_at IS NULL AND revoked_at IS NULL
-           AND runner_instance_id IN (SELECT ri.id {unbind})
-        """,
-        runner_ids,
-        reservation_ids,
-    )
-    await conn.execute(
-        f"""
-        UPDATE runner_instances SET workspace_id = NULL, reservation_id = NULL, assigned_at = NULL,
-                                    updated_at = now()
-         WHERE id IN (SELECT ri.id {unbind})
-        """,
-        runner_ids,
-        reservation_ids,
-    )
-    await conn.execute(
-        """
-        UPDATE runner_instances SET intended_reservation_id = NULL, updated_at = now()
-         WHERE id = ANY($1::uuid[]) AND intended_reservation_id = ANY($2::uuid[])
-        """,
-        runner_ids,
-        reservation_ids,
-    )
-    status = await conn.execute(
-        "DELETE FROM reservations WHERE id = ANY($1::uuid[])", reservation_ids
-    )
-    return int(status.split()[-1])

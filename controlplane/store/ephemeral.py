@@ -39,6 +39,8 @@ from controlplane.errors import (
     RegistrationTokenConsumed,
     RegistrationTokenWorkspaceMismatch,
     ReservationCapacityExhausted,
+    ReservationExpired,
+    ReservationNotFound,
     Unauthorized,
 )
 
@@ -47,7 +49,6 @@ from controlplane.errors import RegistrationTokenExpired as RegistrationTokenExp
 from controlplane.store import locks, sessions
 from controlplane.store.pool import Conn
 from controlplane.store.reservations import lock_assignments, lock_workspace
-from controlplane.store.runner_instances import ReservationExpired, ReservationNotFound
 
 log = logging.getLogger("controlplane.ephemeral")
 

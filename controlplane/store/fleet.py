@@ -17,6 +17,7 @@ from controlplane.domain.fleet import InstanceFacts
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.runner_instances import ACTIVE_STATES, RunnerState
 from controlplane.store.pool import Conn
+from controlplane.store.reservations import BOOTING_SQL
 
 _ACTIVE = sorted(ACTIVE_STATES)
 
@@ -216,7 +217,7 @@ async def phase_counts(conn: Conn) -> list[PhaseCount]:
     phase's start: creation, the control session's creation, enrollment (started_at), the
     assignment, or enrollment again for idle."""
     rows = await conn.fetch(
-        """
+        f"""
         WITH phased AS (
             SELECT ri.provider_kind, ri.launch_kind,
                    CASE WHEN cs.created_at IS NULL THEN 'control_session'
@@ -234,13 +235,13 @@ async def phase_counts(conn: Conn) -> list[PhaseCount]:
               LEFT JOIN runner_control_sessions cs
                 ON cs.runner_instance_id = ri.id AND cs.closed_at IS NULL
                AND cs.expires_at > now()
-             WHERE ri.state IN ('starting', 'running') AND ri.runner_session_id IS NULL
+             WHERE ri.state IN {BOOTING_SQL} AND ri.runner_session_id IS NULL
         )
         SELECT phase, provider_kind, launch_kind, count(*) AS n,
                greatest(extract(epoch FROM now() - min(since)), 0)::float8 AS oldest
           FROM phased
          GROUP BY phase, provider_kind, launch_kind
-        """
+        """  # noqa: S608 -- interpolates constants only: BOOTING_SQL
     )
     return [
         PhaseCount(row["phase"], row["provider_kind"], row["launch_kind"], row["n"], row["oldest"])

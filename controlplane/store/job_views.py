@@ -107,7 +107,7 @@ async def list_jobs(
           AND ($4::timestamptz IS NULL OR (j.changed_at, j.job_execution_id) < ($4, $5::uuid))
         ORDER BY j.changed_at DESC, j.job_execution_id DESC
         LIMIT $6
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _ALL
         workspace_id,
         status,
         None if labels is None else list(labels),
@@ -120,7 +120,8 @@ async def list_jobs(
 
 async def one_job(conn: Conn, job_execution_id: UUID) -> JobView | None:
     row = await conn.fetchrow(
-        f"SELECT * FROM ({_ALL}) AS j WHERE j.job_execution_id = $1", job_execution_id
+        f"SELECT * FROM ({_ALL}) AS j WHERE j.job_execution_id = $1",  # noqa: S608 -- interpolates constants only: _ALL
+        job_execution_id,
     )
     return None if row is None else _view(row, with_tail=True)
 

@@ -71,7 +71,7 @@ WITH beat AS (
     RETURNING old.tool_capabilities::text AS previous
 )
 SELECT beat.*, touched.previous FROM beat LEFT JOIN touched ON true
-"""
+"""  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS
 
 
 async def heartbeat(
@@ -212,7 +212,7 @@ async def reconcile(
     async with conn.transaction():
         await lock_executions(conn, [job_execution_id])
         pending = await conn.fetchrow(
-            f"DELETE FROM pending_jobs WHERE job_execution_id = $1 RETURNING {IDENTITY_COLUMNS}",
+            f"DELETE FROM pending_jobs WHERE job_execution_id = $1 RETURNING {IDENTITY_COLUMNS}",  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS
             job_execution_id,
         )
         running = await conn.fetchrow(
@@ -221,7 +221,7 @@ async def reconcile(
             SET cancellation_requested_at = COALESCE(cancellation_requested_at, now())
             WHERE job_execution_id = $1
             RETURNING {IDENTITY_COLUMNS}
-            """,
+            """,  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS
             job_execution_id,
         )
         known = running or pending
@@ -287,7 +287,7 @@ async def reap(conn: Conn, rule: StaleRule, *, limit: int = 100) -> list[EndedLe
             SELECT id, job_execution_id FROM stale
             WHERE pg_try_advisory_xact_lock({locks.sql_key(locks.EXECUTION, "job_execution_id")})
             LIMIT $3
-            """,
+            """,  # noqa: S608 -- interpolates constants only: _STALE, locks.sql_key
             rule.grace,
             rule.threshold,
             limit,
@@ -303,7 +303,7 @@ async def reap(conn: Conn, rule: StaleRule, *, limit: int = 100) -> list[EndedLe
             DELETE FROM running_jobs WHERE id = ANY($3::uuid[]) AND {_STALE}
             RETURNING {IDENTITY_COLUMNS}, provisioner_id, provider_runner_id,
                       cancellation_requested_at
-            """,
+            """,  # noqa: S608 -- interpolates constants only: _STALE, IDENTITY_COLUMNS
             rule.grace,
             rule.threshold,
             [row["id"] for row in picked],
@@ -343,7 +343,7 @@ async def cancel_session_jobs(conn: Conn, runner_session_id: UUID) -> list[UUID]
             WHERE runner_session_id = $1 AND job_execution_id = ANY($2::uuid[])
               AND cancellation_requested_at IS NULL
             RETURNING {IDENTITY_COLUMNS}
-            """,
+            """,  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS
             runner_session_id,
             ids,
         )

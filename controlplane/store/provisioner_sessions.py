@@ -10,19 +10,12 @@ and nothing holding this row's share lock ever waits for a token row lock, so no
 
 from __future__ import annotations
 
-import enum
 from uuid import UUID
 
+from controlplane.domain.provisioners import Fence, lost_fence
 from controlplane.store.pool import Conn
 
 TAKEOVER_CHANNEL = "cp_provisioner_takeover"
-
-
-class Fence(enum.Enum):
-    CURRENT = "current"
-    SUPERSEDED = "superseded"
-    REVOKED = "revoked"
-    EXPIRED = "expired"
 
 
 async def take_over(conn: Conn, provisioner_id: UUID, session_id: UUID) -> int | None:
@@ -75,11 +68,16 @@ async def fence(conn: Conn, provisioner_id: UUID, generation: int) -> Fence:
         """,
         provisioner_id,
     )
-    if row is None or row["revoked"]:
-        return Fence.REVOKED
-    if row["generation"] != generation:
-        return Fence.SUPERSEDED
-    return Fence.EXPIRED if row["expired"] else Fence.SUPERSEDED
+    if row is None:
+        return lost_fence(
+            current_generation=None, generation=generation, revoked=None, expired=False
+        )
+    return lost_fence(
+        current_generation=row["generation"],
+        generation=generation,
+        revoked=row["revoked"],
+        expired=row["expired"],
+    )
 
 
 async def hold_fence(conn: Conn, provisioner_id: UUID, generation: int) -> Fence:

@@ -15,7 +15,7 @@ writes hold this row FOR SHARE before their workspace lock, so it must come firs
 then the workspace lock (`workspace ?? provisioner`, the key its reports and reconciles take,
 and what makes a concurrent second revoke wait and then see the first); the assignment locks of
 its sessionless instances' reservations, then those instance rows in id order
-(`runner_reports.lock_linked_runners`); then the writes: the token row, token and control-session
+(`runner_release.lock_linked_runners`); then the writes: the token row, token and control-session
 rows, the instance rows, the reservation rows of the release, and last the unused runner
 sessions in id order. Nothing that holds one of those rows waits for an advisory lock or for the
 token row (auth's last-seen touch is a single statement).
@@ -25,19 +25,19 @@ An admin revoke with an Idempotency-Key takes its `admin_command` lock before al
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from uuid import UUID
 
 import asyncpg
 
 from controlplane.domain import tokens
+from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import NotFound
 from controlplane.store import pages
 from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
-from controlplane.store.reservations import lock_workspace
-from controlplane.store.runner_reports import lock_linked_runners, release_terminal
+from controlplane.store.reservations import ACTIVE_SQL, lock_workspace
+from controlplane.store.runner_release import lock_linked_runners, release_terminal
 
 # A provisioner was last seen when its token last authenticated or its control session last
 # proved itself live (every request and allocation round stamps the session), whichever is later:
@@ -50,20 +50,6 @@ _COLUMNS = (
     "id, scope, workspace_id, name, display_prefix, created_at, expires_at, revoked_at, "
     f"revocation_reason, {_LAST_SEEN} AS last_seen_at"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Provisioner:
-    id: UUID
-    scope: str  # 'workspace' or 'installation'
-    workspace_id: UUID | None
-    name: str
-    display_prefix: str
-    created_at: datetime
-    expires_at: datetime | None
-    revoked_at: datetime | None
-    revocation_reason: str | None  # what the admin who revoked it gave, if anything
-    last_seen_at: datetime | None
 
 
 def _provisioner(row: asyncpg.Record) -> Provisioner:
@@ -87,7 +73,7 @@ async def create(
         VALUES (CASE WHEN $1::uuid IS NULL THEN 'installation' ELSE 'workspace' END,
                 $1, $2, $3, $4, now() + $5::interval)
         RETURNING {_COLUMNS}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS
         workspace_id,
         name,
         token.sha256,
@@ -100,7 +86,8 @@ async def create(
 
 async def by_digest(conn: Conn, sha256: str) -> Provisioner | None:
     row = await conn.fetchrow(
-        f"SELECT token_sha256, {_COLUMNS} FROM provisioner_tokens WHERE token_sha256 = $1", sha256
+        f"SELECT token_sha256, {_COLUMNS} FROM provisioner_tokens WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
+        sha256,
     )
     if row is None or not tokens.same_digest(row["token_sha256"], sha256):
         return None
@@ -109,7 +96,8 @@ async def by_digest(conn: Conn, sha256: str) -> Provisioner | None:
 
 async def by_id(conn: Conn, provisioner_id: UUID) -> Provisioner | None:
     row = await conn.fetchrow(
-        f"SELECT {_COLUMNS} FROM provisioner_tokens WHERE id = $1", provisioner_id
+        f"SELECT {_COLUMNS} FROM provisioner_tokens WHERE id = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
+        provisioner_id,
     )
     return None if row is None else _provisioner(row)
 
@@ -145,7 +133,7 @@ async def list_all(
                                         AND (expires_at IS NULL OR expires_at > now())))
           AND {pages.BEFORE}
         ORDER BY {pages.NEWEST_FIRST}
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS, _LAST_SEEN, pages.BEFORE, pages.NEWEST_FIRST
         *pages.args(before, limit),
         workspace_id,
         seen_within,
@@ -184,14 +172,14 @@ async def revoke(conn: Conn, provisioner_id: UUID, *, reason: str | None = None)
             sessionless = [
                 row["id"]
                 for row in await conn.fetch(
-                    """
+                    f"""
                     SELECT id FROM runner_instances
                      WHERE provisioner_id = $1 AND runner_session_id IS NULL
-                       AND (state IN ('starting', 'running', 'stopping')
+                       AND (state IN {ACTIVE_SQL}
                             OR (reservation_released_at IS NULL
                                 AND (reservation_id IS NOT NULL
                                      OR intended_reservation_id IS NOT NULL)))
-                    """,
+                    """,  # noqa: S608 -- interpolates constants only: ACTIVE_SQL
                     provisioner_id,
                 )
             ]
@@ -204,7 +192,7 @@ async def revoke(conn: Conn, provisioner_id: UUID, *, reason: str | None = None)
                                          ELSE revocation_reason END
             WHERE id = $1
             RETURNING {_COLUMNS}
-            """,
+            """,  # noqa: S608 -- interpolates constants only: _COLUMNS
             provisioner_id,
             reason,
         )
@@ -247,11 +235,11 @@ async def _cascade(conn: Conn, provisioner_id: UUID, sessionless: list[UUID]) ->
         provisioner_id,
     )
     await conn.execute(
-        """
+        f"""
         UPDATE runner_instances SET state = 'terminated', terminated_at = now(), updated_at = now()
          WHERE id = ANY($1::uuid[]) AND runner_session_id IS NULL
-           AND state IN ('starting', 'running', 'stopping')
-        """,
+           AND state IN {ACTIVE_SQL}
+        """,  # noqa: S608 -- interpolates constants only: ACTIVE_SQL
         sessionless,
     )
     await release_terminal(

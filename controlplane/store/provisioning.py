@@ -21,16 +21,27 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from uuid import UUID
 
+from controlplane.domain.assignment import Batch
 from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Reservation, Template
 from controlplane.domain.labels import LabelSet
+from controlplane.domain.provisioners import Fence, Provisioner
+from controlplane.domain.reports import ReconcileOutcome, ReportOutcome, RunnerEvent
+from controlplane.domain.rounds import WorkspaceRound
 from controlplane.domain.runner_instances import ProvisionedRunner
 from controlplane.errors import Fenced
-from controlplane.store import demand, ephemeral, reservations, runner_instances, runner_reports
-from controlplane.store.demand import WorkspaceRound
+from controlplane.store import (
+    demand,
+    demand_inputs,
+    ephemeral,
+    reconcile,
+    reservation_cleanup,
+    reservations,
+    runner_instances,
+    runner_reports,
+)
 from controlplane.store.pool import Conn, Pool
-from controlplane.store.provisioner_sessions import Fence, fence, hold_fence, take_over
-from controlplane.store.provisioners import Provisioner
+from controlplane.store.provisioner_sessions import fence, hold_fence, take_over
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +84,7 @@ class SessionStore:
 
     async def replace_templates(self, templates: Sequence[Template]) -> None:
         async with self._fenced() as conn:
-            await demand.replace_templates(
+            await demand_inputs.replace_templates(
                 conn, self.provisioner.id, self.provisioner.workspace_id, templates
             )
 
@@ -127,14 +138,14 @@ class SessionStore:
 
     async def delete_reservations(self, reservation_ids: Collection[UUID]) -> int:
         async with self.pool.acquire() as conn, conn.transaction():
-            return await demand.delete_reservations(conn, reservation_ids)
+            return await reservation_cleanup.delete_reservations(conn, reservation_ids)
 
     async def create_instances(
         self,
         provider_kind: str | None,
         entries: Sequence[tuple[str | None, UUID | None]],
         bootstrap_ttl: timedelta,
-    ) -> runner_instances.Batch:
+    ) -> Batch:
         async with self._fenced() as conn:
             return await runner_instances.create_batch(
                 conn,
@@ -158,12 +169,12 @@ class SessionStore:
 
     async def report(
         self,
-        events: Sequence[runner_reports.RunnerEvent],
+        events: Sequence[RunnerEvent],
         *,
         received_at: datetime,
         reserved_labels: LabelSet,
         activation_timeout: timedelta,
-    ) -> runner_reports.ReportOutcome:
+    ) -> ReportOutcome:
         async with self._fenced() as conn:
             return await runner_reports.report(
                 conn,
@@ -174,11 +185,9 @@ class SessionStore:
                 activation_timeout=activation_timeout,
             )
 
-    async def reconcile(
-        self, observed: Sequence[str], *, grace: timedelta
-    ) -> runner_reports.ReconcileOutcome:
+    async def reconcile(self, observed: Sequence[str], *, grace: timedelta) -> ReconcileOutcome:
         async with self._fenced() as conn:
-            return await runner_reports.reconcile(
+            return await reconcile.reconcile(
                 conn, self.provisioner, observed, grace=grace, include_intended=True
             )
 

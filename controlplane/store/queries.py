@@ -111,7 +111,7 @@ async def active_leases(
         WHERE workspace_id = $1 AND last_heartbeat_at > now() - $2::interval
         ORDER BY last_heartbeat_at DESC, id DESC
         LIMIT $3
-        """,
+        """,  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS
         workspace_id,
         window,
         limit,

@@ -35,7 +35,7 @@ from controlplane.domain.jobs import (
 )
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.errors import EmptyRequiredLabels, RunnerSessionExhausted
-from controlplane.store import events, locks, runner_instances
+from controlplane.store import activations, events, locks
 from controlplane.store.pool import Conn
 from controlplane.store.records import IDENTITY_COLUMNS, identity, json_text, json_value
 
@@ -202,7 +202,7 @@ async def claim(
     """Claim the oldest compatible pending execution for `session`, or return None.
 
     Locks, in order: for a provisioned runner's session not yet claimed with, the assignment
-    locks of its reservations (see `runner_instances.lock_first_claim`); the session row FOR
+    locks of its reservations (see `activations.lock_first_claim`); the session row FOR
     UPDATE (capped sessions only; serialises claims by one session so the cap holds), then per
     candidate: the pending row FOR UPDATE SKIP LOCKED (a row
     another claim holds is skipped), then a *try* of its execution lock. When the try fails the
@@ -224,7 +224,7 @@ async def claim(
         # A provisioned runner's first claim releases its reservation unit: its assignment locks
         # come first, before the session row, as in every transaction that takes both (the
         # provisioner revocation cascade revokes unused sessions under those locks).
-        await runner_instances.lock_first_claim(conn, session.runner_session_id)
+        await activations.lock_first_claim(conn, session.runner_session_id)
         row = await conn.fetchrow(
             """
             UPDATE runner_sessions
@@ -254,7 +254,7 @@ async def claim(
             )
             if claimed is not None and row["provisioner_id"] is not None:
                 # A provisioned runner's first claim gives its reservation unit back (4.14).
-                await runner_instances.release_on_first_claim(conn, session.runner_session_id)
+                await activations.release_on_first_claim(conn, session.runner_session_id)
                 provider_kind, launch_kind = row["origin"] or (None, None)
                 return ProvisionedClaim(
                     claimed.identity, claimed.required_labels, claimed.payload,
@@ -277,7 +277,7 @@ _LOGGED = f"""logged AS (
                               'runner_session_id', runner_session_id, 'claimed_at', started_at)
     FROM leased
     RETURNING 1
-)"""
+)"""  # noqa: S608 -- interpolates an enum value only (EventType.CLAIMED)
 
 # One claim attempt in one statement. $1 workspace, $2 session labels, $3 rows stepped over,
 # $4 session, $5/$6 provisioned link, $7 liveness throttle, $8 capped.
@@ -314,7 +314,7 @@ SELECT c.id AS candidate, c.locked, (SELECT count(*) FROM logged) AS logged,
        l.workflow_run_attempt_id, l.job_id, l.job_execution_id, l.project_id, l.required_labels,
        l.payload::text AS payload, l.queued_at, l.started_at
 FROM (SELECT 1) AS one LEFT JOIN candidate c ON true LEFT JOIN leased l ON true
-"""
+"""  # noqa: S608 -- interpolates constants only: _EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED
 
 
 async def _claim_attempts(
@@ -396,7 +396,7 @@ SELECT c.id AS candidate, l.workspace_id, l.workflow_run_id, l.workflow_run_atte
        (SELECT count(*) FROM logged) AS logged
 FROM candidate c LEFT JOIN taken t ON t.id = c.id
      LEFT JOIN leased l ON l.job_execution_id = t.job_execution_id
-"""
+"""  # noqa: S608 -- interpolates module constants only (_EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED)
 
 
 async def claim_batch(
@@ -465,7 +465,7 @@ async def put_back(conn: Conn, job_execution_id: UUID, runner_session_id: UUID) 
               AND first_heartbeat_at IS NULL AND cancellation_requested_at IS NULL
             RETURNING pending_id, {IDENTITY_COLUMNS}, required_labels, payload::text AS payload,
                       queued_at
-            """,
+            """,  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS
             job_execution_id,
             runner_session_id,
         )
@@ -475,7 +475,7 @@ async def put_back(conn: Conn, job_execution_id: UUID, runner_session_id: UUID) 
             f"""
             INSERT INTO pending_jobs (id, {IDENTITY_COLUMNS}, required_labels, payload, created_at)
             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10)
-            """,
+            """,  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS
             row["pending_id"],
             row["workspace_id"],
             row["workflow_run_id"],

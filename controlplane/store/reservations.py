@@ -12,11 +12,11 @@ Global lock order (spec 3.8, kept by every transaction that touches provisioning
 4. runner-instance rows `FOR UPDATE`, one statement per row, in id order (`lock_runners`);
 5. writes.
 
-Reservation cleanup (`demand.delete_reservations`) is the one path that does not allocate: it
-locks runner rows before reservation rows, both in id order; allocation locks runner rows only
-after its reservation rows, and it never locks a reservation row that cleanup is deleting while
-holding one of that reservation's runners, so the two meet on runner rows in the same id order
-and cannot deadlock (P-45 forces that interleaving).
+Reservation cleanup (`reservation_cleanup.delete_reservations`) is the one path that does not
+allocate: it locks runner rows before reservation rows, both in id order; allocation locks
+runner rows only after its reservation rows, and it never locks a reservation row that cleanup
+is deleting while holding one of that reservation's runners, so the two meet on runner rows in
+the same id order and cannot deadlock (P-45 forces that interleaving).
 
 A reservation is live iff `expires_at > now()` on the database clock. Releasing the last unit of
 a reservation deletes its row (`count > 0` is a CHECK). Expired reservations are never
@@ -33,7 +33,13 @@ from uuid import UUID
 import asyncpg
 
 from controlplane.domain.demand import Reservation, ReservationKind
-from controlplane.domain.runner_instances import LaunchKind, ProvisionedRunner, RunnerState
+from controlplane.domain.runner_instances import (
+    ACTIVE_STATES,
+    TERMINAL_STATES,
+    LaunchKind,
+    ProvisionedRunner,
+    RunnerState,
+)
 from controlplane.store import locks
 from controlplane.store.pool import Conn
 
@@ -47,6 +53,18 @@ RUNNER_COLUMNS = """
       WHERE cs.runner_instance_id = ri.id AND cs.provisioner_id = ri.provisioner_id
         AND cs.closed_at IS NULL) AS control_session_expires_at
 """
+
+
+def sql_states(states: Iterable[RunnerState]) -> str:
+    """An SQL list literal of runner states, in rank order, made from the domain's enum: for
+    fragments interpolated into statements, where a literal keeps the predicate (and any
+    partial index it matches) visible to the planner as the hand-written lists did."""
+    return "(" + ", ".join(f"'{s.value}'" for s in sorted(states, key=lambda s: s.rank)) + ")"
+
+
+ACTIVE_SQL = sql_states(ACTIVE_STATES)  # ('starting', 'running', 'stopping')
+TERMINAL_SQL = sql_states(TERMINAL_STATES)  # ('stopped', 'failed', 'terminated')
+BOOTING_SQL = sql_states({RunnerState.STARTING, RunnerState.RUNNING})
 
 RESERVATION_COLUMNS = "id, workspace_id, provisioner_id, required_labels, count, kind, expires_at"
 
@@ -141,7 +159,7 @@ async def lock_reservations(
          WHERE id = ANY($1::uuid[]) AND ($2::uuid IS NULL OR provisioner_id = $2)
          ORDER BY id
            FOR UPDATE
-        """,
+        """,  # noqa: S608 -- interpolates constants only: RESERVATION_COLUMNS
         ids,
         provisioner_id,
     )
@@ -154,7 +172,7 @@ async def lock_runners(conn: Conn, runner_ids: Iterable[UUID]) -> list[Provision
     locked = []
     for runner_id in sorted(set(runner_ids)):
         row = await conn.fetchrow(
-            f"SELECT {RUNNER_COLUMNS} FROM runner_instances ri WHERE ri.id = $1 FOR UPDATE OF ri",
+            f"SELECT {RUNNER_COLUMNS} FROM runner_instances ri WHERE ri.id = $1 FOR UPDATE OF ri",  # noqa: S608 -- interpolates constants only: RUNNER_COLUMNS
             runner_id,
         )
         if row is not None:
@@ -165,7 +183,7 @@ async def lock_runners(conn: Conn, runner_ids: Iterable[UUID]) -> list[Provision
 async def load_runners(conn: Conn, runner_ids: Sequence[UUID]) -> list[ProvisionedRunner]:
     """Fresh reads (no lock) of the given runners, in ascending id."""
     rows = await conn.fetch(
-        f"SELECT {RUNNER_COLUMNS} FROM runner_instances ri WHERE ri.id = ANY($1::uuid[])"
+        f"SELECT {RUNNER_COLUMNS} FROM runner_instances ri WHERE ri.id = ANY($1::uuid[])"  # noqa: S608 -- interpolates constants only: RUNNER_COLUMNS
         " ORDER BY ri.id",
         list(runner_ids),
     )
@@ -237,9 +255,9 @@ async def idle_candidates(
     rows = await conn.fetch(
         f"""
         SELECT {RUNNER_COLUMNS} FROM runner_instances ri
-         WHERE ri.provisioner_id = $1 AND ri.state IN ('starting', 'running')
+         WHERE ri.provisioner_id = $1 AND ri.state IN {BOOTING_SQL}
            AND ri.runner_session_id IS NULL AND ri.reservation_released_at IS NULL
-        """,
+        """,  # noqa: S608 -- RUNNER_COLUMNS and BOOTING_SQL are constants
         provisioner_id,
     )
     runners = [runner_from_row(row) for row in rows]
@@ -260,13 +278,13 @@ async def outstanding_grants(conn: Conn, provisioner_id: UUID) -> list[tuple[Res
                r.count - (SELECT count(*) FROM runner_instances ri
                            WHERE ri.provisioner_id = r.provisioner_id
                              AND ri.reservation_released_at IS NULL
-                             AND ri.state NOT IN ('stopped', 'failed', 'terminated')
+                             AND ri.state NOT IN {TERMINAL_SQL}
                              AND (ri.reservation_id = r.id OR ri.intended_reservation_id = r.id)
                          )::int AS pending
           FROM reservations r
          WHERE r.provisioner_id = $1 AND r.kind = 'launch' AND r.expires_at > now()
          ORDER BY r.created_at, r.id
-        """,
+        """,  # noqa: S608 -- interpolates constants only: RESERVATION_COLUMNS, TERMINAL_SQL
         provisioner_id,
     )
     return [(reservation_from_row(row), row["pending"]) for row in rows if row["pending"] > 0]

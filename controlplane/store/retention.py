@@ -69,7 +69,7 @@ async def prune_runner_credentials(conn: Conn, older_than: timedelta, limit: int
                 RETURNING 1
             )
             SELECT count(*) FROM gone
-            """,
+            """,  # noqa: S608 -- table names and expressions from the literal tuple above
             older_than,
             limit,
         )

@@ -15,9 +15,10 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane.domain import tokens
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
+from controlplane.domain.credentials import Credential
 from controlplane.settings import Settings
 from controlplane.store import credentials, executions, queries
-from controlplane.store.credentials import Credential, KeyRing
+from controlplane.store.credentials import KeyRing
 from controlplane.store.pool import Conn
 from controlplane.web import auth
 from controlplane.web.edge import (

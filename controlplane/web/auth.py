@@ -22,14 +22,21 @@ from starlette.requests import HTTPConnection
 
 from controlplane.domain import credential_rules as rules
 from controlplane.domain import tokens
+from controlplane.domain.control_sessions import ActivationGrant, ControlSession
+from controlplane.domain.credentials import Credential
 from controlplane.domain.jobs import JobIdentity, SessionClaims
+from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import Forbidden, Unauthorized
 from controlplane.settings import Settings
-from controlplane.store import credentials, ephemeral, provisioners, runner_instances
-from controlplane.store.credentials import Credential, KeyRing
+from controlplane.store import (
+    activations,
+    control_sessions,
+    credentials,
+    ephemeral,
+    provisioners,
+)
+from controlplane.store.credentials import KeyRing
 from controlplane.store.pool import Conn
-from controlplane.store.provisioners import Provisioner
-from controlplane.store.runner_instances import ActivationGrant, ControlSession
 from controlplane.web.edge import bearer
 
 log = logging.getLogger("controlplane.auth")
@@ -82,10 +89,10 @@ MANUAL_REGISTRATION = Check(
 )
 PROVISIONER = Check(tokens.Kind.PROVISIONER, provisioners.by_digest, rules.PROVISIONER_TOKEN.check)
 # Open, unexpired, its provisioner not revoked: the lookup refuses anything else.
-CONTROL_SESSION = Check(tokens.Kind.CONTROL_SESSION, runner_instances.control_session_by_digest)
+CONTROL_SESSION = Check(tokens.Kind.CONTROL_SESSION, control_sessions.control_session_by_digest)
 # Unconsumed, unrevoked, unexpired, its provisioner not revoked, its runner assigned and not yet
 # activated: the lookup refuses anything else, each as a plain `unauthorized`.
-ACTIVATION = Check(tokens.Kind.ACTIVATION, runner_instances.activation_by_digest)
+ACTIVATION = Check(tokens.Kind.ACTIVATION, activations.activation_by_digest)
 EPHEMERAL_REGISTRATION = Check(
     tokens.Kind.EPHEMERAL_REGISTRATION, ephemeral.presented, _ephemeral_refusal
 )

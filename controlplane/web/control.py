@@ -23,8 +23,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from controlplane.actors.control import LocalSession
 from controlplane.actors.provisioning import DemandPush, Limits, ProvisionerActor
+from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import ControlPlaneError, Fenced, InvalidInput, Unauthorized, Unavailable
-from controlplane.store.provisioners import Provisioner
 from controlplane.store.provisioning import open_session
 from controlplane.web import control_requests as handlers
 from controlplane.web import edge

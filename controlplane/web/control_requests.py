@@ -19,10 +19,10 @@ from typing import Any
 from controlplane.actors.provisioning import DemandPush, ProvisionerActor
 from controlplane.domain.demand import Template
 from controlplane.domain.labels import canonicalise
+from controlplane.domain.reports import ReconcileOutcome, RunnerEvent
+from controlplane.domain.rounds import Grant
 from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import InvalidInput
-from controlplane.store.demand import Grant
-from controlplane.store.runner_reports import ReconcileOutcome, RunnerEvent
 from controlplane.wire import control as wire
 
 

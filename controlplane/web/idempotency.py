@@ -28,10 +28,11 @@ import msgspec
 from starlette.requests import Request
 
 from controlplane.domain import tokens
+from controlplane.domain.credentials import Credential
 from controlplane.errors import Conflict, InvalidInput
 from controlplane.store import admin_commands
 from controlplane.store.admin_commands import Remembered
-from controlplane.store.credentials import Credential, KeyRing
+from controlplane.store.credentials import KeyRing
 from controlplane.store.pool import Conn
 from controlplane.wire.admin import Revoke
 

@@ -15,13 +15,13 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane import metrics
 from controlplane.actors.feed import FeedWatch
+from controlplane.domain.credentials import Credential
 from controlplane.domain.jobs import JobIdentity, NewJob, Outcome
 from controlplane.domain.labels import canonicalise
 from controlplane.domain.waiting import why_waiting
 from controlplane.errors import InvalidInput, NotFound, PayloadTooLarge
 from controlplane.settings import Settings
 from controlplane.store import events, executions, job_views, leases, queue
-from controlplane.store.credentials import Credential
 from controlplane.web import auth, jobs
 from controlplane.web.edge import (
     json_response,

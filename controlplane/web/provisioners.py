@@ -11,9 +11,9 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane.domain import tokens
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
+from controlplane.domain.provisioners import Provisioner
 from controlplane.store import credentials, provisioners
 from controlplane.store.pool import Conn
-from controlplane.store.provisioners import Provisioner
 from controlplane.web import admin
 from controlplane.web.edge import json_response, path_uuid, read_json
 from controlplane.web.endpoints import bound

@@ -21,10 +21,11 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane import metrics
 from controlplane.actors.assignments import AssignmentBoard
+from controlplane.domain.control_sessions import Enrollment
 from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
-from controlplane.errors import InvalidInput, RunnerLabelsReserved
+from controlplane.errors import BootstrapTokenInvalid, InvalidInput, RunnerLabelsReserved
 from controlplane.settings import Settings
-from controlplane.store import fleet, runner_instances
+from controlplane.store import activations, control_sessions, fleet, runner_instances
 from controlplane.web import auth
 from controlplane.web.edge import hold as hold_until
 from controlplane.web.edge import json_response, read_json
@@ -79,8 +80,8 @@ async def exchange(svc: Deps, request: Request) -> Response:
     ttl = timedelta(seconds=svc.settings.provisioners.control_session_ttl_seconds)
     try:
         async with svc.pool.acquire() as conn:
-            done = await runner_instances.exchange_bootstrap(conn, body.bootstrap_token, ttl)
-    except runner_instances.BootstrapTokenInvalid:
+            done = await control_sessions.exchange_bootstrap(conn, body.bootstrap_token, ttl)
+    except BootstrapTokenInvalid:
         metrics.bootstrap_exchanges.labels("rejected").inc()
         log.info("runner.bootstrap_exchange", extra={"outcome": "rejected"})
         raise
@@ -123,7 +124,7 @@ _PROMOTION_REASONS = {
 }
 
 
-def _count_enrollment(enrolled: runner_instances.Enrollment) -> None:
+def _count_enrollment(enrolled: Enrollment) -> None:
     failure = enrolled.promotion_failure
     if failure is not None:
         metrics.promotion_failures.labels(
@@ -165,7 +166,7 @@ async def enrollment(svc: Deps, request: Request) -> Response:
         )
     ttl = timedelta(seconds=svc.settings.provisioners.activation_token_ttl_seconds)
     async with svc.pool.acquire() as conn:
-        enrolled = await runner_instances.enroll(
+        enrolled = await control_sessions.enroll(
             conn,
             session,
             labels=labels,
@@ -212,7 +213,7 @@ async def provider_runner(svc: Deps, request: Request) -> Response:
 async def heartbeat(svc: Deps, request: Request) -> Response:
     session = await svc.auth.control_session(request)
     async with svc.pool.acquire() as conn:
-        await runner_instances.heartbeat(conn, session)
+        await control_sessions.heartbeat(conn, session)
     metrics.control_heartbeats.inc()
     return json_response(ControlHeartbeatResponse(ok=True))
 
@@ -274,9 +275,9 @@ async def assignment(svc: Deps, request: Request) -> Response:
             armed[:] = [event]
             async with svc.pool.acquire() as conn:
                 # A fresh token when there is an assignment; the reason when none is issued.
-                if not await runner_instances.has_pending_assignment(conn, runner_id):
+                if not await activations.has_pending_assignment(conn, runner_id):
                     return None
-                token, reason = await runner_instances.issue_activation_token(conn, runner_id, ttl)
+                token, reason = await activations.issue_activation_token(conn, runner_id, ttl)
         if reason is not None:
             metrics.activation_not_issued.labels(reason, "poll").inc()
             log.debug(

@@ -33,8 +33,8 @@ from controlplane.errors import (
     ShuttingDown,
 )
 from controlplane.settings import Settings
+from controlplane.store import activations, executions, leases, queue, sessions
 from controlplane.store import ephemeral as ephemeral_store
-from controlplane.store import executions, leases, queue, runner_instances, sessions
 from controlplane.store.pool import borrow
 from controlplane.web import auth
 from controlplane.web.edge import hold, json_response, path_uuid, read_json
@@ -159,7 +159,7 @@ async def _register_activation(svc: Deps, request: Request) -> Response:
     _check_capabilities(body.capabilities)
     labels = _provisioned_labels(body.labels, grant.provisioner_scope, svc.reserved_labels)
     async with svc.pool.acquire() as conn:
-        session = await runner_instances.consume_activation(
+        session = await activations.consume_activation(
             conn,
             grant,
             labels=labels,

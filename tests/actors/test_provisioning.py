@@ -17,6 +17,7 @@ import trio.testing
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from controlplane.actors.provisioning import DemandBoard, DemandPush, Limits, ProvisionerActor
+from controlplane.domain.assignment import Batch, CreatedInstance
 from controlplane.domain.demand import (
     Allocation,
     DemandStat,
@@ -26,14 +27,13 @@ from controlplane.domain.demand import (
     Template,
 )
 from controlplane.domain.labels import LabelSet
+from controlplane.domain.provisioners import Provisioner
+from controlplane.domain.reports import ReconcileOutcome, ReportOutcome, RunnerEvent
+from controlplane.domain.rounds import Grant, WorkspaceRound
 from controlplane.domain.runner_instances import ProvisionedRunner
 from controlplane.errors import Fenced, InvalidInput
-from controlplane.store.demand import Grant, WorkspaceRound
 from controlplane.store.ephemeral import MintedToken
-from controlplane.store.provisioners import Provisioner
 from controlplane.store.provisioning import RoundTerms
-from controlplane.store.runner_instances import Batch, CreatedInstance
-from controlplane.store.runner_reports import ReconcileOutcome, ReportOutcome, RunnerEvent
 
 LINUX: LabelSet = ("linux",)
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

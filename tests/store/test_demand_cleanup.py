@@ -11,9 +11,9 @@ import anyio
 import asyncpg
 import pytest
 
-from controlplane.store import demand
+from controlplane.domain.provisioners import Provisioner
+from controlplane.store import reservation_cleanup
 from controlplane.store.pool import Conn
-from controlplane.store.provisioners import Provisioner
 from tests import provisioning as rows
 from tests.factories import holding, wait_until_blocked
 from tests.store.test_demand_store import (
@@ -62,10 +62,10 @@ async def test_p110_expired_reservations_are_deleted_and_live_ones_kept(
     live = await rows.reservation(conn, workspace_id=workspace, provisioner_id=wsp.id)
 
     # Oldest expiry first, at most `limit` per call.
-    assert await demand.delete_expired_reservations(conn, limit=2) == 2
+    assert await reservation_cleanup.delete_expired_reservations(conn, limit=2) == 2
     assert await existing(conn, *expired, live) == sorted([expired[0], live])
-    assert await demand.delete_expired_reservations(conn) == 1
-    assert await demand.delete_expired_reservations(conn) == 0
+    assert await reservation_cleanup.delete_expired_reservations(conn) == 1
+    assert await reservation_cleanup.delete_expired_reservations(conn) == 0
     assert await existing(conn, *expired, live) == [live]
 
 
@@ -78,10 +78,10 @@ async def test_p111_deleting_by_id_removes_only_the_listed_reservation(
         conn, workspace_id=workspace, provisioner_id=wsp.id, ttl=-MINUTE
     )
 
-    assert await demand.delete_reservations(conn, [listed, uuid.uuid4()]) == 1
+    assert await reservation_cleanup.delete_reservations(conn, [listed, uuid.uuid4()]) == 1
 
     assert await existing(conn, listed, other, expired) == sorted([other, expired])
-    assert await demand.delete_reservations(conn, []) == 0
+    assert await reservation_cleanup.delete_reservations(conn, []) == 0
 
 
 @pytest.mark.parametrize("how", ["by-id", "by-expiry"])
@@ -103,9 +103,9 @@ async def test_p112_deletion_unbinds_unactivated_runners_and_revokes_their_token
     bystander_token = await activation_token(conn, bystander)
 
     if how == "by-id":
-        deleted = await demand.delete_reservations(conn, [doomed])
+        deleted = await reservation_cleanup.delete_reservations(conn, [doomed])
     else:
-        deleted = await demand.delete_expired_reservations(conn)
+        deleted = await reservation_cleanup.delete_expired_reservations(conn)
 
     assert deleted == 1
     assert await existing(conn, doomed, kept) == [kept]
@@ -135,7 +135,7 @@ async def test_p113_activated_runners_keep_their_links_and_tokens(
     )
     token = await activation_token(conn, activated)
 
-    assert await demand.delete_reservations(conn, [doomed, intended]) == 2
+    assert await reservation_cleanup.delete_reservations(conn, [doomed, intended]) == 2
 
     assert await link(conn, activated) == (workspace, doomed, True, None)
     assert not await token_revoked(conn, token)
@@ -158,7 +158,7 @@ async def test_p114_deletion_clears_intended_ids_and_the_runner_becomes_rebindab
     )
     elsewhere = await runner(conn, wsp.id, intended_reservation_id=other)
 
-    assert await demand.delete_reservations(conn, [doomed]) == 1
+    assert await reservation_cleanup.delete_reservations(conn, [doomed]) == 1
 
     assert await link(conn, enrolled) == (None, None, False, None)
     assert await link(conn, booting) == (None, None, False, None)
@@ -195,7 +195,7 @@ async def test_p45_poll_and_expiry_cleanup_on_the_same_runners_do_not_deadlock(
     cleaned: list[int] = []
 
     async def cleanup(connection: Conn) -> None:
-        cleaned.append(await demand.delete_expired_reservations(connection))
+        cleaned.append(await reservation_cleanup.delete_expired_reservations(connection))
 
     async def allocate(connection: Conn) -> None:
         await poll(connection, wsp, workspace)

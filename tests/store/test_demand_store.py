@@ -22,10 +22,11 @@ from controlplane.domain import tokens
 from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template
 from controlplane.domain.labels import LabelSet
-from controlplane.store import demand, locks, provisioner_sessions
-from controlplane.store.demand import TerminateIntent, TerminateReason, WorkspaceRound
+from controlplane.domain.provisioners import Provisioner
+from controlplane.domain.rounds import WorkspaceRound
+from controlplane.domain.terminate_intents import TerminateIntent, TerminateReason
+from controlplane.store import demand, demand_inputs, locks, provisioner_sessions
 from controlplane.store.pool import Conn
-from controlplane.store.provisioners import Provisioner
 from controlplane.store.provisioning import RoundTerms, SessionStore
 from tests import provisioning as rows
 from tests.factories import holding, holding_lock, wait_until_blocked
@@ -803,7 +804,7 @@ async def test_p43_demand_an_active_workspace_provisioner_advertises_is_skipped(
 ) -> None:
     await rows.pending_jobs(conn, workspace, LINUX, 2)
     await rows.pending_jobs(conn, workspace, GPU, 1)
-    await demand.replace_templates(conn, wsp.id, workspace, [template(0, X64)])  # zero slots
+    await demand_inputs.replace_templates(conn, wsp.id, workspace, [template(0, X64)])  # zero slots
     gpu_only = (template(5, GPU),)
 
     covered = await poll(conn, inst, workspace, templates=gpu_only, covering_window=HOUR)
@@ -811,7 +812,7 @@ async def test_p43_demand_an_active_workspace_provisioner_advertises_is_skipped(
     assert launched(covered) == [(GPU, 1)]
     assert [s.labels for s in covered.allocation.stats] == [GPU]
     # Withdrawn, revoked or stale advertisements no longer cover anything.
-    await demand.replace_templates(conn, wsp.id, workspace, [])
+    await demand_inputs.replace_templates(conn, wsp.id, workspace, [])
     uncovered = await poll(conn, inst, workspace, templates=gpu_only, covering_window=HOUR)
     assert launched(uncovered) == [(LINUX, 2)]
 
@@ -821,7 +822,7 @@ async def test_p43_a_revoked_or_quiet_workspace_provisioner_covers_nothing(
     conn: Conn, workspace: UUID, wsp: Provisioner, inst: Provisioner, how: str
 ) -> None:
     await rows.pending_jobs(conn, workspace, LINUX, 2)
-    await demand.replace_templates(conn, wsp.id, workspace, [template(3)])
+    await demand_inputs.replace_templates(conn, wsp.id, workspace, [template(3)])
     if how == "revoked":
         await conn.execute("UPDATE provisioner_tokens SET revoked_at = now() WHERE id = $1", wsp.id)
     else:
@@ -864,15 +865,15 @@ async def test_p44_a_busy_workspace_is_skipped_not_waited_on(
 async def test_templates_are_replaced_whole_and_an_empty_list_withdraws_them(
     conn: Conn, workspace: UUID, wsp: Provisioner
 ) -> None:
-    await demand.replace_templates(
+    await demand_inputs.replace_templates(
         conn, wsp.id, workspace, [template(1, ("Linux", "X64"), "a"), template(2, GPU, "b")]
     )
-    await demand.replace_templates(conn, wsp.id, workspace, [template(4, X64, "c")])
+    await demand_inputs.replace_templates(conn, wsp.id, workspace, [template(4, X64, "c")])
     found = await conn.fetch(
         "SELECT template_key, labels, available_slots, workspace_id FROM provisioner_templates"
     )
     assert [tuple(r) for r in found] == [("c", list(X64), 4, workspace)]
-    await demand.replace_templates(conn, wsp.id, workspace, [])
+    await demand_inputs.replace_templates(conn, wsp.id, workspace, [])
     assert await conn.fetchval("SELECT count(*) FROM provisioner_templates") == 0
 
 
@@ -946,7 +947,7 @@ async def test_p47_a_runner_re_reserved_while_the_poll_waited_is_not_rebound(
         database_url,
         observer,
         runner_id,
-        f"UPDATE runner_instances SET reservation_id = '{fresh}' WHERE id = $1",
+        f"UPDATE runner_instances SET reservation_id = '{fresh}' WHERE id = $1",  # noqa: S608 -- a uuid the test made
         lambda: poll(conn, wsp, workspace),
     )
 

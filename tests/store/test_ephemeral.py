@@ -15,6 +15,8 @@ import anyio
 import asyncpg
 import pytest
 
+from controlplane.domain.provisioners import Provisioner
+from controlplane.domain.reports import RunnerEvent
 from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import (
     EphemeralTokenActive,
@@ -25,14 +27,13 @@ from controlplane.errors import (
     RegistrationTokenExpired,
     RegistrationTokenWorkspaceMismatch,
     ReservationCapacityExhausted,
+    ReservationExpired,
+    ReservationNotFound,
     Unauthorized,
 )
 from controlplane.store import ephemeral, locks, runner_reports
 from controlplane.store.ephemeral import MintedToken
 from controlplane.store.pool import Conn
-from controlplane.store.provisioners import Provisioner
-from controlplane.store.runner_instances import ReservationExpired, ReservationNotFound
-from controlplane.store.runner_reports import RunnerEvent
 from tests import provisioning
 from tests.factories import holding, holding_lock, wait_until_blocked
 from tests.provisioning import provisioner, reservation

@@ -20,8 +20,9 @@ from controlplane.domain import tokens
 from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template
 from controlplane.domain.jobs import SessionClaims
+from controlplane.domain.rounds import WorkspaceRound
 from controlplane.errors import RunnerSessionExhausted
-from controlplane.store import demand, locks, queue, runner_instances
+from controlplane.store import activations, demand, locks, queue
 from controlplane.store.pool import Conn
 from tests import provisioning
 from tests.factories import holding_lock, new_job, wait_until_blocked
@@ -39,11 +40,11 @@ async def _activated(conn: Conn, workspace: UUID, count: int) -> tuple[UUID, UUI
     runner = await provisioning.runner(
         conn, p.id, workspace_id=workspace, reservation_id=r, assigned=True
     )
-    token, _ = await runner_instances.issue_activation_token(conn, runner, TTL)
+    token, _ = await activations.issue_activation_token(conn, runner, TTL)
     assert token is not None
-    grant = await runner_instances.activation_by_digest(conn, tokens.digest(token))
+    grant = await activations.activation_by_digest(conn, tokens.digest(token))
     assert grant is not None
-    session = await runner_instances.consume_activation(
+    session = await activations.consume_activation(
         conn, grant, labels=("linux",), capabilities=None
     )
     return p.id, r, runner, session.id
@@ -121,7 +122,7 @@ async def test_a_claim_committing_during_a_round_is_never_granted_again(
         conn, workspace_id=workspace, provisioner_id=p.id, kind="bound"
     )
     await queue.enqueue(conn, [new_job(workspace)])
-    result: list[demand.WorkspaceRound | None] = []
+    result: list[WorkspaceRound | None] = []
     async with pool.acquire() as own:
 
         async def allocate() -> None:

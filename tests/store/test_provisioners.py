@@ -8,6 +8,7 @@ import asyncpg
 import pytest
 
 from controlplane.domain import tokens
+from controlplane.domain.provisioners import Fence, Provisioner
 from controlplane.errors import RunnerSessionExhausted
 from controlplane.store import locks, provisioner_sessions, provisioners, queue
 from controlplane.store.pool import Conn
@@ -67,7 +68,7 @@ async def _boot_credentials(conn: Conn, provisioner_id: UUID, runner_id: UUID) -
         placeholders = ["$1", "$2", "$3", "now() + interval '5 minutes'"]
         placeholders += [f"${i}" for i in range(4, 4 + len(extra))]
         await conn.execute(
-            f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(placeholders)})",
+            f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(placeholders)})",  # noqa: S608 -- table and column names from the literal tuple above
             *values,
         )
     session = tokens.new_opaque(tokens.Kind.CONTROL_SESSION)
@@ -197,7 +198,7 @@ async def test_revocation_waits_for_a_session_write_then_closes_it(
     created, _ = await provisioners.create(conn, name="fleet", workspace_id=workspace)
     generation = await provisioner_sessions.take_over(conn, created.id, uuid.uuid4())
     assert generation is not None
-    revoked: list[provisioners.Provisioner] = []
+    revoked: list[Provisioner] = []
     async with pool.acquire() as writer, pool.acquire() as revoker:
 
         async def revoke() -> None:
@@ -205,7 +206,7 @@ async def test_revocation_waits_for_a_session_write_then_closes_it(
 
         async with anyio.create_task_group() as group, writer.transaction():
             fence = await provisioner_sessions.hold_fence(writer, created.id, generation)
-            assert fence is provisioner_sessions.Fence.CURRENT
+            assert fence is Fence.CURRENT
             group.start_soon(revoke)
             await wait_until_blocked(observer, revoker.get_server_pid())
             # The write goes on: the workspace lock is free (revocation has not taken it).
@@ -215,4 +216,4 @@ async def test_revocation_waits_for_a_session_write_then_closes_it(
         # Our commit let the revocation through.
     assert revoked[0].revoked_at is not None
     after = await provisioner_sessions.fence(conn, created.id, generation)
-    assert after is provisioner_sessions.Fence.REVOKED
+    assert after is Fence.REVOKED

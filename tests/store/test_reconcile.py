@@ -40,7 +40,8 @@ async def tombstone(conn: Conn, execution_id: UUID) -> asyncpg.Record | None:
 async def count(conn: Conn, table: str, execution_id: UUID) -> int:
     assert table in {"pending_jobs", "running_jobs"}
     found: int = await conn.fetchval(
-        f"SELECT count(*) FROM {table} WHERE job_execution_id = $1", execution_id
+        f"SELECT count(*) FROM {table} WHERE job_execution_id = $1",  # noqa: S608 -- table is one of two names (asserted above)
+        execution_id,
     )
     return found
 

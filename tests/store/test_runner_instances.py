@@ -11,18 +11,18 @@ import asyncpg
 import pytest
 
 from controlplane.domain import tokens
-from controlplane.errors import Unauthorized
-from controlplane.store import locks, runner_instances
-from controlplane.store.pool import Conn
-from controlplane.store.runner_instances import (
+from controlplane.domain.control_sessions import ControlSession, Enrollment
+from controlplane.errors import (
     BootstrapTokenInvalid,
-    ControlSession,
     ControlSessionInvalid,
     ProviderRunnerIdTaken,
     ReservationExpired,
     ReservationNotFound,
     RunnerNotAssignable,
+    Unauthorized,
 )
+from controlplane.store import activations, control_sessions, locks, runner_instances
+from controlplane.store.pool import Conn
 from tests import provisioning
 from tests.factories import holding_lock, wait_until_blocked
 
@@ -35,15 +35,15 @@ make_runner = provisioning.runner
 
 async def _session(conn: Conn, runner_id: UUID, provisioner_id: UUID) -> ControlSession:
     raw = await open_control_session(conn, runner_id, provisioner_id)
-    found = await runner_instances.control_session_by_digest(conn, tokens.digest(raw))
+    found = await control_sessions.control_session_by_digest(conn, tokens.digest(raw))
     assert found is not None
     return found
 
 
 async def _enroll(
     conn: Conn, session: ControlSession, labels: tuple[str, ...] = ("linux",)
-) -> runner_instances.Enrollment:
-    return await runner_instances.enroll(
+) -> Enrollment:
+    return await control_sessions.enroll(
         conn,
         session,
         labels=labels,
@@ -94,12 +94,12 @@ async def test_p115_batch_stores_hashed_one_use_bootstrap_tokens(
     assert (second["launch_kind"], second["intended_reservation_id"]) == ("warm", None)
     assert first["state"] == "starting" and first["workspace_id"] is None
     assert list(first["labels"]) == [] and first["provider_kind"] == "docker"
-    exchanged = await runner_instances.exchange_bootstrap(
+    exchanged = await control_sessions.exchange_bootstrap(
         conn, batch.instances[0].bootstrap_token, timedelta(hours=1)
     )
     assert exchanged.runner_instance_id == batch.instances[0].runner_instance_id
     with pytest.raises(BootstrapTokenInvalid):
-        await runner_instances.exchange_bootstrap(
+        await control_sessions.exchange_bootstrap(
             conn, batch.instances[0].bootstrap_token, timedelta(hours=1)
         )
 
@@ -353,9 +353,9 @@ async def test_p125_a_failing_activation_issue_rolls_back_the_promotion(
         await conn.execute("SELECT 1/0")  # a real database error inside the savepoint
         raise AssertionError("unreachable")
 
-    monkeypatch.setattr(runner_instances, "_issue_locked", failing_issue)
+    monkeypatch.setattr(control_sessions, "issue_locked", failing_issue)
     enrolled = await _enroll(conn, session)
-    assert enrolled == runner_instances.Enrollment(None, promotion_failure="unexpected")
+    assert enrolled == Enrollment(None, promotion_failure="unexpected")
     row = await _row(conn, runner)
     assert row["state"] == "running"  # the enrollment itself committed
     assert row["assigned_at"] is None and row["workspace_id"] is None
@@ -518,11 +518,11 @@ async def test_s28_issuing_a_token_revokes_the_previous_one(conn: Conn, workspac
     p = await provisioning.provisioner(conn, workspace)
     r = await provisioning.reservation(conn, workspace_id=workspace, provisioner_id=p.id)
     runner = await make_runner(conn, p.id, workspace_id=workspace, reservation_id=r, assigned=True)
-    first, _ = await runner_instances.issue_activation_token(conn, runner, TTL)
-    second, _ = await runner_instances.issue_activation_token(conn, runner, TTL)
+    first, _ = await activations.issue_activation_token(conn, runner, TTL)
+    second, _ = await activations.issue_activation_token(conn, runner, TTL)
     assert first is not None and second is not None
-    assert await runner_instances.activation_by_digest(conn, tokens.digest(first)) is None
-    assert await runner_instances.activation_by_digest(conn, tokens.digest(second)) is not None
+    assert await activations.activation_by_digest(conn, tokens.digest(first)) is None
+    assert await activations.activation_by_digest(conn, tokens.digest(second)) is not None
 
 
 async def test_activation_is_refused_with_its_reason(conn: Conn, workspace: UUID) -> None:
@@ -534,7 +534,7 @@ async def test_activation_is_refused_with_its_reason(conn: Conn, workspace: UUID
     activated = await make_runner(
         conn, p.id, workspace_id=workspace, runner_session_id=uuid.uuid4()
     )
-    issue = runner_instances.issue_activation_token
+    issue = activations.issue_activation_token
     assert await issue(conn, uuid.uuid4(), TTL) == (None, "runner-not-found")
     assert await issue(conn, unassigned, TTL) == (None, "missing-workspace")
     assert await issue(conn, starting, TTL) == (None, "not-running")
@@ -552,11 +552,11 @@ async def _activated(conn: Conn, workspace: UUID, count: int) -> tuple[UUID, UUI
         conn, workspace_id=workspace, provisioner_id=p.id, count=count
     )
     runner = await make_runner(conn, p.id, workspace_id=workspace, reservation_id=r, assigned=True)
-    token, _ = await runner_instances.issue_activation_token(conn, runner, TTL)
+    token, _ = await activations.issue_activation_token(conn, runner, TTL)
     assert token is not None
-    grant = await runner_instances.activation_by_digest(conn, tokens.digest(token))
+    grant = await activations.activation_by_digest(conn, tokens.digest(token))
     assert grant is not None
-    session = await runner_instances.consume_activation(
+    session = await activations.consume_activation(
         conn, grant, labels=("linux",), capabilities=None
     )
     return r, runner, session.id
@@ -567,19 +567,19 @@ async def test_p135_the_first_claim_releases_one_unit_and_a_second_does_not(
 ) -> None:
     r, runner, session = await _activated(conn, workspace, count=2)
     async with conn.transaction():
-        assert await runner_instances.release_on_first_claim(conn, session) == 1
+        assert await activations.release_on_first_claim(conn, session) == 1
     assert await _count(conn, r) == 1
     row = await _row(conn, runner)
     assert row["first_claimed_at"] is not None and row["reservation_released_at"] is not None
-    assert await runner_instances.release_on_first_claim(conn, session) == 0
+    assert await activations.release_on_first_claim(conn, session) == 0
     assert await _count(conn, r) == 1
 
 
 async def test_p135_the_last_unit_deletes_the_reservation(conn: Conn, workspace: UUID) -> None:
     r, _runner, session = await _activated(conn, workspace, count=1)
-    assert await runner_instances.release_on_first_claim(conn, session) == 1
+    assert await activations.release_on_first_claim(conn, session) == 1
     assert await _count(conn, r) is None
-    assert await runner_instances.release_on_first_claim(conn, uuid.uuid4()) == 0
+    assert await activations.release_on_first_claim(conn, uuid.uuid4()) == 0
 
 
 async def test_j95_one_activation_token_registered_twice_concurrently_makes_one_session(
@@ -588,16 +588,16 @@ async def test_j95_one_activation_token_registered_twice_concurrently_makes_one_
     p = await provisioning.provisioner(conn, workspace)
     r = await provisioning.reservation(conn, workspace_id=workspace, provisioner_id=p.id)
     runner = await make_runner(conn, p.id, workspace_id=workspace, reservation_id=r, assigned=True)
-    token, _ = await runner_instances.issue_activation_token(conn, runner, TTL)
+    token, _ = await activations.issue_activation_token(conn, runner, TTL)
     assert token is not None
-    grant = await runner_instances.activation_by_digest(conn, tokens.digest(token))
+    grant = await activations.activation_by_digest(conn, tokens.digest(token))
     assert grant is not None
     outcomes: list[str] = []
 
     async def register() -> None:
         async with pool.acquire() as own:
             try:
-                await runner_instances.consume_activation(
+                await activations.consume_activation(
                     own, grant, labels=("linux",), capabilities=None
                 )
                 outcomes.append("ok")

@@ -8,7 +8,7 @@ from uuid import UUID
 
 import asyncpg
 
-from controlplane.store import locks, runner_reports
+from controlplane.store import locks, runner_release
 from controlplane.store.pool import Conn
 from tests.factories import holding_lock
 from tests.provisioning import provisioner, reservation
@@ -29,7 +29,7 @@ OLD = timedelta(minutes=10)
 
 
 async def reap(conn: Conn, limit: int = 100) -> tuple[int, int]:
-    return await runner_reports.reap_stale_runners(conn, threshold=THRESHOLD, limit=limit)
+    return await runner_release.reap_stale_runners(conn, threshold=THRESHOLD, limit=limit)
 
 
 async def state_of(conn: Conn, runner_id: UUID) -> tuple[str, str | None]:

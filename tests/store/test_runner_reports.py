@@ -18,11 +18,11 @@ import asyncpg
 
 from controlplane.actors.maintenance.reaper import LeaseReaper, PoolReaperStore
 from controlplane.domain.jobs import StaleRule
+from controlplane.domain.provisioners import Provisioner
+from controlplane.domain.reports import HonoredIntent, ReportOutcome, RunnerEvent
 from controlplane.domain.runner_instances import RunnerState
-from controlplane.store import locks, runner_reports
+from controlplane.store import locks, reconcile, runner_release, runner_reports
 from controlplane.store.pool import Conn
-from controlplane.store.provisioners import Provisioner
-from controlplane.store.runner_reports import HonoredIntent, RunnerEvent
 from tests import provisioning
 from tests.factories import holding_lock, wait_until_blocked
 from tests.provisioning import provisioner, reservation
@@ -49,7 +49,7 @@ def ev(pid: str, state: RunnerState, at: datetime | None = None, **fields: Any) 
 
 async def send(
     conn: Conn, prov: Provisioner, *events: RunnerEvent, reserved: tuple[str, ...] = ()
-) -> runner_reports.ReportOutcome:
+) -> ReportOutcome:
     return await runner_reports.report(
         conn, prov, list(events), received_at=now(), reserved_labels=reserved
     )
@@ -153,7 +153,7 @@ async def test_p75_installation_report_creates_a_neutral_row_reconcile_sees(conn
     outcome = await send(conn, prov, ev("i-1", RUNNING, template_key="small"))
     row = await row_of(conn, prov, "i-1")
     assert (outcome.accepted, row["workspace_id"], row["launch_kind"]) == (1, None, "manual")
-    seen = await runner_reports.reconcile(conn, prov, ["i-1"], grace=GRACE)
+    seen = await reconcile.reconcile(conn, prov, ["i-1"], grace=GRACE)
     assert seen.runners[0].state is RUNNING
 
 
@@ -488,7 +488,7 @@ async def test_p98_reserved_labels_are_stripped_from_workspace_reports(
 
 
 async def release_for_lease(conn: Conn, prov: Provisioner, runner_id: UUID) -> int:
-    return await runner_reports.release_terminal(
+    return await runner_release.release_terminal(
         conn,
         workspace_id=prov.workspace_id,
         provisioner_id=prov.id,
@@ -591,11 +591,11 @@ async def test_p99_absent_stale_runners_are_terminated_and_released(
         conn, prov.id, workspace_id=workspace, reservation_id=res, age=timedelta(minutes=5)
     )
     fresh = await runner(conn, prov.id, workspace_id=workspace, reservation_id=res)
-    kept = await runner_reports.reconcile(conn, prov, [], grace=GRACE)
+    kept = await reconcile.reconcile(conn, prov, [], grace=GRACE)
     assert kept.terminated_absent_provider_runner_ids == ()
     assert await count_of(conn, res) == 2
 
-    outcome = await runner_reports.reconcile(conn, prov, ["elsewhere"], grace=GRACE)
+    outcome = await reconcile.reconcile(conn, prov, ["elsewhere"], grace=GRACE)
 
     assert outcome.terminated_absent_provider_runner_ids == (await pid_of(conn, stale),)
     assert outcome.reservations_released == 1 and await count_of(conn, res) == 1
@@ -617,8 +617,8 @@ async def test_p100_reconcile_keeps_to_its_scope_and_is_idempotent(
     mine = await runner(conn, prov.id, workspace_id=workspace, age=old)
     elsewhere = await runner(conn, prov.id, workspace_id=uuid.uuid4(), age=old)
     theirs = await runner(conn, other.id, workspace_id=workspace, age=old)
-    first = await runner_reports.reconcile(conn, prov, ["x"], grace=GRACE)
-    second = await runner_reports.reconcile(conn, prov, ["x"], grace=GRACE)
+    first = await reconcile.reconcile(conn, prov, ["x"], grace=GRACE)
+    second = await reconcile.reconcile(conn, prov, ["x"], grace=GRACE)
     assert first.terminated_absent_provider_runner_ids == (await pid_of(conn, mine),)
     assert second.terminated_absent_provider_runner_ids == ()
     states = await conn.fetch(
@@ -638,7 +638,7 @@ async def test_p101_session_bound_absent_runners_are_released(conn: Conn, worksp
         runner_session_id=uuid.uuid4(),
         age=timedelta(minutes=5),
     )
-    outcome = await runner_reports.reconcile(conn, prov, ["x"], grace=GRACE)
+    outcome = await reconcile.reconcile(conn, prov, ["x"], grace=GRACE)
     assert outcome.reservations_released == 1 and await count_of(conn, res) is None
 
 
@@ -655,7 +655,7 @@ async def test_p102_the_newest_running_job_is_the_bound_job(conn: Conn, workspac
         " WHERE job_execution_id = ANY($1::uuid[])",
         [low, high],
     )
-    outcome = await runner_reports.reconcile(conn, prov, [pid], grace=GRACE)
+    outcome = await reconcile.reconcile(conn, prov, [pid], grace=GRACE)
     bound = outcome.runners[0].bound_job
     assert bound is not None and bound.job_execution_id == high
 
@@ -665,7 +665,7 @@ async def test_p103_a_later_running_report_cannot_revive_a_reconciled_runner(
 ) -> None:
     prov = await provisioner(conn, workspace)
     rid = await runner(conn, prov.id, workspace_id=workspace, age=timedelta(minutes=5))
-    await runner_reports.reconcile(conn, prov, ["x"], grace=GRACE)
+    await reconcile.reconcile(conn, prov, ["x"], grace=GRACE)
     await send(conn, prov, ev(await pid_of(conn, rid), RUNNING))
     state = await conn.fetchval("SELECT state FROM runner_instances WHERE id = $1", rid)
     assert state == "terminated"
@@ -678,9 +678,7 @@ async def test_p104_observed_ids_get_their_intent(conn: Conn, workspace: UUID) -
     busy = await pid_of(conn, await runner(conn, prov.id, workspace_id=workspace))
     theirs = await pid_of(conn, await runner(conn, other.id, workspace_id=workspace))
     await lease(conn, workspace, prov.id, busy, cancelled=True)
-    outcome = await runner_reports.reconcile(
-        conn, prov, ["orphan", done, busy, theirs], grace=GRACE
-    )
+    outcome = await reconcile.reconcile(conn, prov, ["orphan", done, busy, theirs], grace=GRACE)
     answers = [
         (r.provider_runner_id, r.state, r.desired_intent, r.intent_reason) for r in outcome.runners
     ]
@@ -698,8 +696,8 @@ async def test_p105_intended_reservation_only_when_asked(conn: Conn, workspace: 
     pid = await pid_of(
         conn, await runner(conn, prov.id, workspace_id=workspace, intended_reservation_id=res)
     )
-    plain = await runner_reports.reconcile(conn, prov, [pid], grace=GRACE)
-    asked = await runner_reports.reconcile(conn, prov, [pid], grace=GRACE, include_intended=True)
+    plain = await reconcile.reconcile(conn, prov, [pid], grace=GRACE)
+    asked = await reconcile.reconcile(conn, prov, [pid], grace=GRACE, include_intended=True)
     assert plain.runners[0].intended_reservation_id is None
     assert asked.runners[0].intended_reservation_id == res
 
@@ -747,16 +745,14 @@ async def test_p49_terminal_report_and_reconcile_on_one_workspace_lock_release_o
     )
     pid = await pid_of(conn, rid)
 
-    async def reconcile(c: Conn) -> int:
-        return (
-            await runner_reports.reconcile(c, prov, ["other"], grace=GRACE)
-        ).reservations_released
+    async def reconciled(c: Conn) -> int:
+        return (await reconcile.reconcile(c, prov, ["other"], grace=GRACE)).reservations_released
 
     async def terminal_report(c: Conn) -> int:
         return (await send(c, prov, ev(pid, FAILED))).reservations_released
 
     # Either order: whoever comes second finds the unit already given back.
-    orders = ((reconcile, terminal_report), (terminal_report, reconcile))
+    orders = ((reconciled, terminal_report), (terminal_report, reconciled))
     for (first, second), left in zip(orders, (1, None), strict=True):
         await conn.execute(
             "UPDATE runner_instances SET state = 'running', reservation_released_at = NULL,"
@@ -781,7 +777,7 @@ async def test_p50_terminal_release_waits_for_a_held_assignment_lock(
     seen_while_blocked: list[datetime | None] = []
 
     async def release(c: Conn) -> int:
-        return await runner_reports.release_terminal(
+        return await runner_release.release_terminal(
             c, workspace_id=workspace, provisioner_id=prov.id, runner_instance_ids=[rid]
         )
 
@@ -807,13 +803,13 @@ async def test_p51_reconcile_respects_a_report_committed_after_its_selection(
     rid = await runner(conn, prov.id, workspace_id=workspace, age=timedelta(minutes=5))
     pid = await pid_of(conn, rid)
 
-    async def reconcile(c: Conn) -> int:
-        outcome = await runner_reports.reconcile(c, prov, ["other"], grace=GRACE)
+    async def reconciled(c: Conn) -> int:
+        outcome = await reconcile.reconcile(c, prov, ["other"], grace=GRACE)
         return len(outcome.terminated_absent_provider_runner_ids)
 
     # The uncommitted report holds the row; reconcile has already chosen it when it blocks.
     holder = uncommitted_report(database_url, prov, ev(pid, RUNNING))
-    assert await queued_behind(pool, observer, holder, reconcile) == [0]
+    assert await queued_behind(pool, observer, holder, reconciled) == [0]
     state = await conn.fetchval("SELECT state FROM runner_instances WHERE id = $1", rid)
     assert state == "running"
 
@@ -834,7 +830,7 @@ async def test_p52_two_concurrent_single_unit_releases_delete_a_count_two_row(
 
     def release(runner_id: UUID) -> Operation:
         async def run(c: Conn) -> int:
-            return await runner_reports.release_terminal(
+            return await runner_release.release_terminal(
                 c, workspace_id=workspace, provisioner_id=prov.id, runner_instance_ids=[runner_id]
             )
 

@@ -62,7 +62,7 @@ TABLES = {
 
 
 async def _ids_newest_first(db: asyncpg.Connection, kind: str) -> list[str]:
-    rows = await db.fetch(f"SELECT id FROM {TABLES[kind]} ORDER BY created_at DESC, id DESC")
+    rows = await db.fetch(f"SELECT id FROM {TABLES[kind]} ORDER BY created_at DESC, id DESC")  # noqa: S608 -- interpolates constants only: TABLES
     return [str(row["id"]) for row in rows]
 
 
@@ -73,7 +73,7 @@ async def test_s68_pages_follow_the_cursor_to_a_null_last_page(
     made = await _make(api, db, kind, 4)
     # Two rows created at the same instant are told apart by id, each listed exactly once.
     await db.execute(
-        f"UPDATE {TABLES[kind]} SET created_at = (SELECT min(created_at) FROM {TABLES[kind]})"
+        f"UPDATE {TABLES[kind]} SET created_at = (SELECT min(created_at) FROM {TABLES[kind]})"  # noqa: S608 -- interpolates constants only: TABLES
         " WHERE id = ANY($1::uuid[])",
         made[1:3],
     )

@@ -4,9 +4,9 @@ A round has three parts, each with its own error handling, so a failure in one s
 part:
 
 1. upkeep: delete expired reservations (unbinding runners that never activated;
-   `demand.delete_expired_reservations`), fail stale runner instances and release their units
-   (`runner_reports.reap_stale_runners`), prune spent bootstrap tokens, control sessions and
-   activation tokens (`retention.prune_runner_credentials`), in that order;
+   `reservation_cleanup.delete_expired_reservations`), fail stale runner instances and release
+   their units (`runner_release.reap_stale_runners`), prune spent bootstrap tokens, control
+   sessions and activation tokens (`retention.prune_runner_credentials`), in that order;
 2. ephemeral-token GC (`ephemeral.prune_ephemeral_tokens`);
 3. the runner-phase gauges (`fleet.phase_counts`), exposed for three intervals.
 
@@ -25,7 +25,13 @@ import asyncpg
 
 from controlplane import metrics
 from controlplane.actors.maintenance.job import drain
-from controlplane.store import demand, ephemeral, fleet, retention, runner_reports
+from controlplane.store import (
+    ephemeral,
+    fleet,
+    reservation_cleanup,
+    retention,
+    runner_release,
+)
 from controlplane.store.fleet import PhaseCount
 
 log = logging.getLogger("controlplane.maintenance")
@@ -53,11 +59,11 @@ class PoolUpkeepStore:
 
     async def delete_expired_reservations(self, limit: int) -> int:
         async with self._pool.acquire() as conn:
-            return await demand.delete_expired_reservations(conn, limit)
+            return await reservation_cleanup.delete_expired_reservations(conn, limit)
 
     async def reap_stale_runners(self, threshold: timedelta, limit: int) -> tuple[int, int]:
         async with self._pool.acquire() as conn:
-            return await runner_reports.reap_stale_runners(conn, threshold=threshold, limit=limit)
+            return await runner_release.reap_stale_runners(conn, threshold=threshold, limit=limit)
 
     async def prune_runner_credentials(self, older_than: timedelta, limit: int) -> int:
         async with self._pool.acquire() as conn:

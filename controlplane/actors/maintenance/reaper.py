@@ -2,7 +2,7 @@
 a provisioned runner that ended with its lease (spec 4.14).
 
 Each batch is the store's: `leases.reap` (execution try-locks, then rows: see its docstring and
-docs/concurrency.md), then `runner_reports.release_after_leases`, one transaction per lease after
+docs/concurrency.md), then `runner_release.release_after_leases`, one transaction per lease after
 the reap committed. A round repeats batches until one comes back short.
 """
 
@@ -15,7 +15,7 @@ import asyncpg
 
 from controlplane import metrics
 from controlplane.domain.jobs import EndedLease, StaleRule
-from controlplane.store import leases, runner_reports
+from controlplane.store import leases, runner_release
 
 log = logging.getLogger("controlplane.maintenance")
 
@@ -34,7 +34,7 @@ class PoolReaperStore:
     async def reap(self, rule: StaleRule, limit: int) -> tuple[list[EndedLease], int]:
         async with self._pool.acquire() as conn:
             expired = await leases.reap(conn, rule, limit=limit)
-            released = await runner_reports.release_after_leases(conn, expired)
+            released = await runner_release.release_after_leases(conn, expired)
         return expired, released
 
 

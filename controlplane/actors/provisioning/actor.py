@@ -42,16 +42,17 @@ from controlplane.actors.provisioning.rounds import (
     installation_walk,
     workspace_round,
 )
+from controlplane.domain.assignment import Batch
 from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template, WarmLaunch, reservation_ttl, warm_pool_launches
 from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
-from controlplane.errors import Fenced, InvalidInput
-from controlplane.store.demand import Grant
+from controlplane.domain.provisioners import Provisioner
+from controlplane.domain.reports import ReconcileOutcome, ReportOutcome, RunnerEvent
+from controlplane.domain.rounds import Grant
+from controlplane.errors import Fenced, InvalidInput, RunnerNotAssignable
+from controlplane.store.control_sessions import PROMOTION_FAILURES
 from controlplane.store.ephemeral import MintedToken
-from controlplane.store.provisioners import Provisioner
 from controlplane.store.provisioning import RoundTerms
-from controlplane.store.runner_instances import PROMOTION_FAILURES, Batch, RunnerNotAssignable
-from controlplane.store.runner_reports import ReconcileOutcome, ReportOutcome, RunnerEvent
 
 log = logging.getLogger("controlplane.provisioning")
 minted_log = logging.getLogger("controlplane.ephemeral")

@@ -22,14 +22,15 @@ from typing import Protocol
 from uuid import UUID
 
 from controlplane import metrics
+from controlplane.domain.assignment import Batch
 from controlplane.domain.demand import Reservation, Template, without_pending
 from controlplane.domain.labels import LabelSet
+from controlplane.domain.reports import ReconcileOutcome, ReportOutcome, RunnerEvent
+from controlplane.domain.rounds import Grant, WorkspaceRound
 from controlplane.domain.runner_instances import ProvisionedRunner
-from controlplane.store.demand import Grant, TerminateReason, WorkspaceRound
+from controlplane.domain.terminate_intents import TerminateReason
 from controlplane.store.ephemeral import MintedToken
 from controlplane.store.provisioning import RoundTerms
-from controlplane.store.runner_instances import Batch
-from controlplane.store.runner_reports import ReconcileOutcome, ReportOutcome, RunnerEvent
 
 
 class ProvisioningStore(Protocol):

@@ -1,0 +1,213 @@
+"""What an allocation round reads (spec 3.3-3.5): the provisioner's advertised templates, the
+workspace's demand and reservations, the provisioner's runners, and the labels the workspace's
+own provisioners cover.
+
+`read_inputs` takes the locks that make its reads true for the round (the global order of
+`store/reservations.py`: assignment locks, then reservation rows); the other reads take none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import replace
+from datetime import datetime, timedelta
+from uuid import UUID
+
+from controlplane.domain.binding import Scope
+from controlplane.domain.demand import (
+    AllocationInputs,
+    DemandGroup,
+    Reservation,
+    ReservationKind,
+    Template,
+)
+from controlplane.domain.labels import LabelSet, canonicalise
+from controlplane.store.pool import Conn
+from controlplane.store.reservations import (
+    ACTIVE_SQL,
+    RESERVATION_COLUMNS,
+    RUNNER_COLUMNS,
+    lock_assignments,
+    lock_reservations,
+    reservation_from_row,
+    runner_from_row,
+)
+
+
+async def replace_templates(
+    conn: Conn, provisioner_id: UUID, workspace_id: UUID | None, templates: Sequence[Template]
+) -> None:
+    """Replace the provisioner's advertised templates (an empty list withdraws them), labels
+    canonical. A repeated template key keeps its first advertisement.
+
+    Locks: the provisioner's template rows (by the DELETE), in one transaction (a savepoint
+    inside the caller's), so readers see the old set or the new one, never none.
+    """
+    keys = []
+    seen: set[str] = set()
+    for template in templates:
+        labels = canonicalise(template.labels)
+        if labels and template.key not in seen:  # an empty label set serves nothing
+            seen.add(template.key)
+            keys.append(replace(template, labels=labels))
+    async with conn.transaction():
+        await conn.execute(
+            "DELETE FROM provisioner_templates WHERE provisioner_id = $1", provisioner_id
+        )
+        if keys:
+            await conn.executemany(
+                """
+                INSERT INTO provisioner_templates
+                    (provisioner_id, template_key, workspace_id, labels, available_slots, starting,
+                     running, idle_target, advertised_at)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now())
+                """,
+                [
+                    (
+                        provisioner_id,
+                        t.key,
+                        workspace_id,
+                        list(t.labels),
+                        t.available_slots,
+                        t.starting,
+                        t.running,
+                        t.idle_target,
+                    )
+                    for t in keys
+                ],
+            )
+
+
+# --- reading the allocation inputs -----------------------------------------------------------
+
+
+async def _demand_and_reservations(
+    conn: Conn, workspace_id: UUID
+) -> tuple[list[DemandGroup], list[Reservation]]:
+    """The workspace's demand groups and all its reservations, read by one statement."""
+    rows = await conn.fetch(
+        """
+        SELECT 'demand' AS what, NULL::uuid AS id, NULL::uuid AS provisioner_id,
+               required_labels, count(*)::int AS count, min(created_at) AS at, NULL::text AS kind
+          FROM pending_jobs WHERE workspace_id = $1 GROUP BY required_labels
+        UNION ALL
+        SELECT 'reservation', id, provisioner_id, required_labels, count, expires_at, kind
+          FROM reservations WHERE workspace_id = $1
+        """,
+        workspace_id,
+    )
+    demand = [
+        DemandGroup(tuple(r["required_labels"]), r["count"], r["at"])
+        for r in rows
+        if r["what"] == "demand"
+    ]
+    reservations = sorted(
+        (
+            Reservation(
+                id=r["id"],
+                workspace_id=workspace_id,
+                provisioner_id=r["provisioner_id"],
+                labels=tuple(r["required_labels"]),
+                count=r["count"],
+                kind=ReservationKind(r["kind"]),
+                expires_at=r["at"],
+            )
+            for r in rows
+            if r["what"] == "reservation"
+        ),
+        key=lambda r: r.id,
+    )
+    return demand, reservations
+
+
+async def _workspace_reservations(conn: Conn, workspace_id: UUID) -> list[Reservation]:
+    rows = await conn.fetch(
+        f"SELECT {RESERVATION_COLUMNS} FROM reservations WHERE workspace_id = $1 ORDER BY id",  # noqa: S608 -- interpolates constants only: RESERVATION_COLUMNS
+        workspace_id,
+    )
+    return [reservation_from_row(r) for r in rows]
+
+
+async def reservations_by_id(conn: Conn, ids: Collection[UUID]) -> list[Reservation]:
+    if not ids:
+        return []
+    rows = await conn.fetch(
+        f"SELECT {RESERVATION_COLUMNS} FROM reservations WHERE id = ANY($1::uuid[])",  # noqa: S608 -- interpolates constants only: RESERVATION_COLUMNS
+        list(ids),
+    )
+    return [reservation_from_row(r) for r in rows]
+
+
+async def covering_labels(conn: Conn, workspace_id: UUID, window: timedelta) -> list[LabelSet]:
+    """Label sets the workspace's own active provisioners advertised within `window`."""
+    rows = await conn.fetch(
+        """
+        SELECT DISTINCT pt.labels
+          FROM provisioner_templates pt
+          JOIN provisioner_tokens t ON t.id = pt.provisioner_id
+         WHERE pt.workspace_id = $1 AND t.scope = 'workspace' AND t.workspace_id = $1
+           AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > now())
+           AND pt.advertised_at > now() - $2::interval
+        """,
+        workspace_id,
+        window,
+    )
+    return [tuple(r["labels"]) for r in rows]
+
+
+async def read_inputs(
+    conn: Conn,
+    *,
+    now: datetime,
+    workspace_id: UUID,
+    provisioner_id: UUID,
+    scope: Scope,
+    templates: Sequence[Template],
+    max_reservations: int,
+    launch_ttl: timedelta,
+    activation_grace: timedelta,
+    covering: Sequence[LabelSet],
+) -> AllocationInputs:
+    """Steps 3 to 5 of `domain.demand`: demand, the workspace's reservations with this
+    provisioner's live ones locked (assignment keys, then rows in id order), its runners."""
+    seen = await _workspace_reservations(conn, workspace_id)
+    own = [r.id for r in seen if r.provisioner_id == provisioner_id and r.is_live(now)]
+    await lock_assignments(conn, provisioner_id, own)
+    await lock_reservations(conn, own, provisioner_id=provisioner_id)
+    # A fresh statement after the locks: the counts of this provisioner's rows are now stable.
+    # Demand and reservations come from that one statement, so from one snapshot: a claim that
+    # commits in between (taking a pending job and releasing its unit) is seen whole or not at
+    # all, never as demand whose reservation is already gone (which would grant it again).
+    demand, reservations = await _demand_and_reservations(conn, workspace_id)
+    own_live = [r.id for r in reservations if r.provisioner_id == provisioner_id and r.is_live(now)]
+    rows = await conn.fetch(
+        f"""
+        SELECT {RUNNER_COLUMNS} FROM runner_instances ri
+         WHERE ri.provisioner_id = $1 AND ri.state IN {ACTIVE_SQL}
+           AND ri.reservation_released_at IS NULL
+           AND (ri.runner_session_id IS NULL OR ri.reservation_id = ANY($2::uuid[])
+                OR ri.intended_reservation_id = ANY($2::uuid[]))
+         ORDER BY ri.id
+        """,  # noqa: S608 -- interpolates constants only: RUNNER_COLUMNS, ACTIVE_SQL
+        provisioner_id,
+        own_live,
+    )
+    runners = [runner_from_row(r) for r in rows]
+    known = {r.id for r in reservations}
+    referenced = {
+        i for r in runners for i in (r.reservation_id, r.intended_reservation_id) if i is not None
+    }
+    reservations += await reservations_by_id(conn, referenced - known)
+    return AllocationInputs(
+        workspace_id=workspace_id,
+        provisioner_id=provisioner_id,
+        scope=scope,
+        demand=demand,
+        templates=templates,
+        reservations=reservations,
+        runners=runners,
+        max_reservations=max_reservations,
+        launch_ttl=launch_ttl,
+        activation_grace=activation_grace,
+        covering_labels=covering,
+    )
