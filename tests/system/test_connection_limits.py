@@ -115,10 +115,12 @@ def _closed(where: tuple[str, int], reason: str) -> float:
 
 
 async def _latency_bound(where: tuple[str, int]) -> float:
-    """max(100 ms, 20 x the idle median) of /healthz on this replica, now."""
+    """What /healthz must stay under during an attack: 100 ms, or more on a machine measured
+    to be slower right now (20 x the idle median, or 3 x the slowest idle probe: a machine
+    whose scheduler already stalls a probe that long without any attack will do it again)."""
     with anyio.fail_after(10):
         samples = [await anyio.to_thread.run_sync(_healthz, where) for _ in range(30)]
-    return max(0.1, 20 * statistics.median(samples))
+    return max(0.1, 20 * statistics.median(samples), 3 * max(samples))
 
 
 async def _probe_while(
@@ -486,7 +488,9 @@ async def test_a_body_sent_too_slowly_gets_408_and_frees_its_connection(
                 await stream.send(head(orchestrator, 12))
                 await stream.send(b'{"jobs": ')
                 await stream.send(b"[]}")
-                answer = await stream.receive()
+                answer = b""
+                while b'"}}' not in answer:  # the end of the error body (head and body may
+                    answer += await stream.receive()  # arrive in separate reads)
         assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]
         assert b'"validation-error"' in answer
     assert "http.unhandled" not in replica.log.read_text()
