@@ -33,7 +33,7 @@ from controlplane.errors import (
     ShuttingDown,
 )
 from controlplane.settings import Settings
-from controlplane.store import activations, executions, leases, queue, sessions
+from controlplane.store import activations, claiming, executions, leases, sessions
 from controlplane.store import ephemeral as ephemeral_store
 from controlplane.store.pool import borrow
 from controlplane.web import auth
@@ -334,7 +334,7 @@ async def _request_job(svc: Deps, request: Request) -> Response:
     wait = limit if asked is None else asked
     if wait == 0:
         async with borrow(svc.pool) as conn:
-            job = await queue.claim(conn, session, liveness_throttle=svc.liveness_throttle)
+            job = await claiming.claim(conn, session, liveness_throttle=svc.liveness_throttle)
         if job is None:
             return _nothing()
         svc.feed.poke()

@@ -4,7 +4,7 @@ from datetime import timedelta
 from uuid import UUID
 
 from controlplane.domain.jobs import EnqueueResult, Outcome
-from controlplane.store import leases, queue, retention
+from controlplane.store import claiming, leases, queue, retention
 from controlplane.store.pool import Conn
 from tests.factories import manual_session, new_job
 
@@ -36,7 +36,7 @@ async def test_old_tombstones_are_pruned_but_not_while_a_lease_drains(
     session = await manual_session(conn, workspace)
     running, ended = new_job(workspace), new_job(workspace)
     await queue.enqueue(conn, [running, ended])
-    assert await queue.claim(conn, session) is not None  # `running` is older: claimed first
+    assert await claiming.claim(conn, session) is not None  # `running` is older: claimed first
     for job in (running, ended):
         await leases.reconcile(conn, job.identity.job_execution_id, Outcome.CANCELLED)
     await conn.execute("UPDATE ended_executions SET ended_at = now() - interval '100 days'")
