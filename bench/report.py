@@ -179,7 +179,7 @@ def _scale(result: dict[str, Any]) -> list[str]:
         lines += [
             "### Claim latency against a deep queue",
             "",
-            f"The store's `queue.claim` on direct connections, {pending['samples']} timed "
+            f"The store's `claiming.claim` on direct connections, {pending['samples']} timed "
             "claims per size, each followed by an untimed enqueue so the depth holds; rows "
             "spread over 10 workspaces. Target: the deepest queue within 1.5x of the shallowest.",
             "",

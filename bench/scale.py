@@ -8,7 +8,7 @@ load, and throughput as replicas are added.
   pg_stat_user_tables (sequential and index scans). pg_stat_statements is not loaded, so
   "queries" means committed transactions and scans. Runners are raw HTTP/1.1 sockets in this
   process: an httpx client per runner would cost more than the daemon we are measuring.
-* pending: the store's `queue.claim` on direct connections against P pending rows (bulk inserted
+* pending: the store's `claiming.claim` on direct connections against P pending rows (bulk inserted
   with generate_series in the shape `queue.enqueue` writes, spread over 10 workspaces, then
   VACUUM ANALYZE). Every timed claim is followed by an untimed `queue.enqueue` of one new job,
   so the queue keeps its depth. One connection, then 8 at once. The ratio of the deepest to the
@@ -46,7 +46,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from bench import harness, throughput
 from controlplane.domain.jobs import SessionClaims
 from controlplane.settings import Maintenance
-from controlplane.store import credentials, queue, sessions
+from controlplane.store import claiming, credentials, queue, sessions
 
 PARTS = ("parked", "pending", "reaper", "replicas")
 PARKED = 10_000
@@ -270,7 +270,7 @@ async def _timed_claims(
             for index in range(offset, total, connections):
                 session = claimers[index % len(claimers)]
                 start = time.perf_counter()
-                claimed = await queue.claim(conn, session)
+                claimed = await claiming.claim(conn, session)
                 latencies.append(time.perf_counter() - start)
                 if claimed is None:
                     raise RuntimeError("the queue ran dry")

@@ -32,7 +32,7 @@ import asyncpg
 
 from bench import harness, peers, wire
 from controlplane.domain.jobs import Outcome, SessionClaims
-from controlplane.store import credentials, leases, queue, sessions
+from controlplane.store import claiming, credentials, leases, queue, sessions
 
 RUNNER_COUNTS = (10, 50, 200)
 JOBS = 6000
@@ -74,7 +74,7 @@ async def sql_lifecycle(url: str, runners: int, jobs: int) -> float:
                 labels=("linux",),
             )
             session = SessionClaims(made.id, workspace, ("linux",), None)
-            while (job := await queue.claim(conn, session)) is not None:
+            while (job := await claiming.claim(conn, session)) is not None:
                 execution = job.identity.job_execution_id
                 await leases.heartbeat(conn, execution, session.runner_session_id)
                 await leases.complete(conn, execution, session.runner_session_id, Outcome.SUCCEEDED)

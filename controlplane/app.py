@@ -41,7 +41,7 @@ from controlplane.actors.provisioning import DemandBoard
 from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.settings import Settings
-from controlplane.store import migrations, queue, reservations
+from controlplane.store import claiming, migrations, queue, reservations
 from controlplane.store.credentials import KeyRing
 from controlplane.store.embedded import EmbeddedPostgres
 from controlplane.store.events import EVENTS_CHANNEL
@@ -66,17 +66,17 @@ class PoolClaims:
 
     async def claim(self, session: SessionClaims) -> ClaimedJob | None:
         async with borrow(self._pool) as conn:
-            return await queue.claim(conn, session, liveness_throttle=self._throttle)
+            return await claiming.claim(conn, session, liveness_throttle=self._throttle)
 
     async def claim_batch(
         self, workspace_id: UUID, labels: LabelSet, runner_session_ids: list[UUID]
     ) -> dict[UUID, ClaimedJob]:
         async with borrow(self._pool) as conn:
-            return await queue.claim_batch(conn, workspace_id, labels, runner_session_ids)
+            return await claiming.claim_batch(conn, workspace_id, labels, runner_session_ids)
 
     async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None:
         async with borrow(self._pool) as conn:
-            await queue.touch_sessions(conn, workspace_id, runner_session_ids, self._throttle)
+            await claiming.touch_sessions(conn, workspace_id, runner_session_ids, self._throttle)
 
     async def put_back(self, job_execution_id: UUID, runner_session_id: UUID) -> bool:
         async with borrow(self._pool) as conn:

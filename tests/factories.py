@@ -14,7 +14,7 @@ import asyncpg
 
 from controlplane.domain.jobs import ClaimedJob, JobIdentity, NewJob, SessionClaims
 from controlplane.domain.labels import LabelSet, canonicalise
-from controlplane.store import queue, sessions
+from controlplane.store import claiming, queue, sessions
 from controlplane.store.pool import Conn
 
 LINUX_X64: LabelSet = ("linux", "x64")
@@ -50,7 +50,7 @@ def minutes_ago(minutes: float) -> datetime:
 
 async def claimed_job(conn: Conn, session: SessionClaims) -> ClaimedJob:
     await queue.enqueue(conn, [new_job(session.workspace_id)])
-    job = await queue.claim(conn, session)
+    job = await claiming.claim(conn, session)
     assert job is not None
     return job
 

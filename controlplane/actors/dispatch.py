@@ -53,7 +53,7 @@ from controlplane.domain.jobs import ClaimedJob, SessionClaims
 from controlplane.domain.labels import LabelSet
 from controlplane.errors import ControlPlaneError, ShuttingDown, Unavailable
 from controlplane.retry import Backoff
-from controlplane.store.queue import MAX_BATCH, ProvisionedClaim
+from controlplane.store.claiming import MAX_BATCH, ProvisionedClaim
 
 log = logging.getLogger("controlplane.dispatch")
 

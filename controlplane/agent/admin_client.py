@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 import msgspec
@@ -16,6 +16,8 @@ from controlplane.agent import api
 from controlplane.agent.queue_client import call, decode, provisioner_pages, table, when
 from controlplane.wire.admin import ActiveRunners
 from controlplane.wire.jobs import JobCancelled, JobDetail, JobList, JobOut
+
+T = TypeVar("T")
 
 _encoder = msgspec.json.Encoder()
 
@@ -26,6 +28,14 @@ def _json(value: Any) -> None:
 
 def _say(text: str) -> None:
     sys.stdout.write(text + "\n")
+
+
+async def _ask(
+    url: str, key: str, method: str, path: str, kind: type[T], params: dict[str, str] | None = None
+) -> T:
+    """One admin request, its answer decoded as `kind`."""
+    async with api.client(url) as http:
+        return decode(await call(http, method, path, headers=api.bearer(key), params=params), kind)
 
 
 def _labels(labels: Sequence[str] | None) -> str:
@@ -124,11 +134,7 @@ def job_lines(detail: JobDetail, now: datetime) -> list[str]:
 
 
 async def jobs_show(url: str, key: str, execution: UUID, *, as_json: bool) -> int:
-    async with api.client(url) as http:
-        detail = decode(
-            await call(http, "GET", f"/v1/admin/jobs/{execution}", headers=api.bearer(key)),
-            JobDetail,
-        )
+    detail = await _ask(url, key, "GET", f"/v1/admin/jobs/{execution}", JobDetail)
     if as_json:
         _json(detail)
     else:
@@ -137,11 +143,7 @@ async def jobs_show(url: str, key: str, execution: UUID, *, as_json: bool) -> in
 
 
 async def jobs_cancel(url: str, key: str, execution: UUID, *, as_json: bool) -> int:
-    async with api.client(url) as http:
-        done = decode(
-            await call(http, "POST", f"/v1/admin/jobs/{execution}/cancel", headers=api.bearer(key)),
-            JobCancelled,
-        )
+    done = await _ask(url, key, "POST", f"/v1/admin/jobs/{execution}/cancel", JobCancelled)
     if as_json:
         _json(done)
     elif not done.newly_ended:
@@ -159,11 +161,7 @@ async def runners_list(
     params = {"window_seconds": str(window)}
     if workspace is not None:
         params["workspace_id"] = str(workspace)
-    async with api.client(url) as http:
-        found = decode(
-            await call(http, "GET", "/v1/admin/runners", headers=api.bearer(key), params=params),
-            ActiveRunners,
-        )
+    found = await _ask(url, key, "GET", "/v1/admin/runners", ActiveRunners, params)
     if as_json:
         _json(found.items)
         return 0

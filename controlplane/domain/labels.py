@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from controlplane.errors import InvalidInput
+from controlplane.errors import InvalidInput, RunnerLabelsReserved
 
 LabelSet = tuple[str, ...]
 
@@ -62,6 +62,24 @@ def parse_reserved(value: str) -> LabelSet:
 
 def strip_reserved(labels: LabelSet, reserved: LabelSet) -> LabelSet:
     return tuple(label for label in labels if label not in reserved)
+
+
+def provisioned_labels(
+    declared: Iterable[str], provisioner_scope: str | None, reserved: LabelSet
+) -> LabelSet:
+    """A provisioned runner's labels, as it registers or its provisioner enrolls it: canonical,
+    and without the reserved ones unless its provisioner has installation scope. All reserved:
+    `RunnerLabelsReserved`."""
+    supplied = canonicalise(declared)
+    labels = supplied
+    if provisioner_scope != "installation":
+        labels = strip_reserved(supplied, reserved)
+    if not labels:
+        raise RunnerLabelsReserved(
+            "every supplied label is reserved for installation provisioners",
+            labels=list(supplied),
+        )
+    return labels
 
 
 def matches(required: LabelSet, runner: LabelSet) -> bool:

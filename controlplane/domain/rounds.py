@@ -1,5 +1,6 @@
 """What an allocation round committed (spec 3.3-3.6): the launch grants a provisioner is told
-of, one workspace's round, and an installation provisioner's walk over workspaces."""
+of and one workspace's round (the walk over an installation's workspaces is the provisioning
+actor's, in actors/provisioning/rounds.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
 
-from controlplane.domain.demand import Allocation, Template
+from controlplane.domain.demand import Allocation
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.terminate_intents import TerminateIntent
 
@@ -34,19 +35,3 @@ class WorkspaceRound:
     rebound: int  # of those, runners launched for demand (activation outcome metric)
     terminate_intents: tuple[TerminateIntent, ...] = ()
     terminate_truncated: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class InstallationRound:
-    rounds: tuple[WorkspaceRound, ...]
-    skipped: tuple[UUID, ...]  # workspaces whose lock was busy this round
-    remaining_templates: tuple[Template, ...]
-    remaining_max: int
-
-    @property
-    def grants(self) -> tuple[Grant, ...]:
-        return tuple(g for r in self.rounds for g in r.grants)
-
-    @property
-    def newly_reserved(self) -> int:
-        return sum(r.allocation.newly_reserved for r in self.rounds)

@@ -20,6 +20,7 @@ from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import Unauthorized
 from controlplane.store import sessions
 from controlplane.store.pool import Conn
+from controlplane.store.records import row_by_digest
 from controlplane.store.reservations import (
     lock_assignments,
     lock_reservations,
@@ -88,7 +89,8 @@ async def has_pending_assignment(conn: Conn, runner_instance_id: UUID) -> bool:
 async def activation_by_digest(conn: Conn, sha256: str) -> ActivationGrant | None:
     """The activation token with this digest if it is unconsumed, unrevoked and unexpired, its
     provisioner is not revoked (or gone), and its runner is assigned and not activated."""
-    row = await conn.fetchrow(
+    row = await row_by_digest(
+        conn,
         """
         SELECT t.id, t.token_sha256, t.runner_instance_id, ri.provisioner_id, ri.workspace_id,
                p.scope
@@ -101,7 +103,7 @@ async def activation_by_digest(conn: Conn, sha256: str) -> ActivationGrant | Non
         """,
         sha256,
     )
-    if row is None or not tokens.same_digest(row["token_sha256"], sha256):
+    if row is None:
         return None
     return ActivationGrant(
         row["id"], row["runner_instance_id"], row["provisioner_id"], row["scope"],

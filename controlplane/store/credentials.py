@@ -24,6 +24,7 @@ from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import NotFound
 from controlplane.store import pages, provisioners
 from controlplane.store.pool import Conn
+from controlplane.store.records import row_by_digest
 
 
 def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
@@ -139,7 +140,8 @@ async def create_api_key(
 
 
 async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | None:
-    row = await conn.fetchrow(
+    row = await row_by_digest(
+        conn,
         f"""
         SELECT kind, token_sha256, {_COLUMNS} FROM api_keys
         WHERE token_sha256 = $1 AND kind = $2
@@ -147,7 +149,7 @@ async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | 
         sha256,
         kind,
     )
-    if row is None or not tokens.same_digest(row["token_sha256"], sha256):
+    if row is None:
         return None
     return _credential(row)
 
@@ -217,11 +219,12 @@ async def create_manual_token(
 
 
 async def manual_token_by_digest(conn: Conn, sha256: str) -> Credential | None:
-    row = await conn.fetchrow(
+    row = await row_by_digest(
+        conn,
         f"SELECT token_sha256, {_COLUMNS} FROM manual_registration_tokens WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
         sha256,
     )
-    if row is None or not tokens.same_digest(row["token_sha256"], sha256):
+    if row is None:
         return None
     return _credential(row, "manual-registration")
 

@@ -36,6 +36,7 @@ from controlplane.errors import NotFound
 from controlplane.store import pages
 from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
+from controlplane.store.records import row_by_digest
 from controlplane.store.reservations import ACTIVE_SQL, lock_workspace
 from controlplane.store.runner_release import lock_linked_runners, release_terminal
 
@@ -85,11 +86,12 @@ async def create(
 
 
 async def by_digest(conn: Conn, sha256: str) -> Provisioner | None:
-    row = await conn.fetchrow(
+    row = await row_by_digest(
+        conn,
         f"SELECT token_sha256, {_COLUMNS} FROM provisioner_tokens WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
         sha256,
     )
-    if row is None or not tokens.same_digest(row["token_sha256"], sha256):
+    if row is None:
         return None
     return _provisioner(row)
 

@@ -7,7 +7,9 @@ from typing import Any
 import asyncpg
 import msgspec
 
+from controlplane.domain import tokens
 from controlplane.domain.jobs import JobIdentity
+from controlplane.store.pool import Conn
 
 IDENTITY_COLUMNS = (
     "workspace_id, workflow_run_id, workflow_run_attempt_id, job_id, job_execution_id, project_id"
@@ -35,3 +37,15 @@ def json_value(raw: str | None) -> Any:
 
 def json_text(value: Any) -> str:
     return _json_encoder.encode(value).decode()
+
+
+async def row_by_digest(
+    conn: Conn, query: str, sha256: str, *args: object
+) -> asyncpg.Record | None:
+    """The row `query` finds for a token digest (its $1), kept only when the row's
+    `token_sha256` equals that digest by a constant-time comparison: every lookup of a presented
+    token goes through here."""
+    row = await conn.fetchrow(query, sha256, *args)
+    if row is None or not tokens.same_digest(row["token_sha256"], sha256):
+        return None
+    return row

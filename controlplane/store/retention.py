@@ -13,41 +13,43 @@ from datetime import timedelta
 from controlplane.store.pool import Conn
 
 
-async def prune_events(conn: Conn, older_than: timedelta, limit: int) -> int:
+async def _count_deleted(conn: Conn, delete: str, older_than: timedelta, limit: int) -> int:
+    """Run one bounded DELETE (`$1` the age, `$2` the batch size) and count what it removed."""
     deleted: int = await conn.fetchval(
-        """
-        WITH gone AS (
-            DELETE FROM events WHERE seq IN (
-                SELECT seq FROM events WHERE created_at < now() - $1::interval
-                ORDER BY seq LIMIT $2)
-            RETURNING 1
-        )
-        SELECT count(*) FROM gone
-        """,
+        f"WITH gone AS ({delete} RETURNING 1) SELECT count(*) FROM gone",  # noqa: S608 -- `delete` is one of this module's statements
         older_than,
         limit,
     )
     return deleted
+
+
+async def prune_events(conn: Conn, older_than: timedelta, limit: int) -> int:
+    return await _count_deleted(
+        conn,
+        """
+        DELETE FROM events WHERE seq IN (
+            SELECT seq FROM events WHERE created_at < now() - $1::interval
+            ORDER BY seq LIMIT $2)
+        """,
+        older_than,
+        limit,
+    )
 
 
 async def prune_tombstones(conn: Conn, older_than: timedelta, limit: int) -> int:
-    deleted: int = await conn.fetchval(
+    return await _count_deleted(
+        conn,
         """
-        WITH gone AS (
-            DELETE FROM ended_executions WHERE job_execution_id IN (
-                SELECT e.job_execution_id FROM ended_executions e
-                WHERE e.ended_at < now() - $1::interval
-                  AND NOT EXISTS (SELECT 1 FROM running_jobs r
-                                  WHERE r.job_execution_id = e.job_execution_id)
-                ORDER BY e.ended_at LIMIT $2)
-            RETURNING 1
-        )
-        SELECT count(*) FROM gone
+        DELETE FROM ended_executions WHERE job_execution_id IN (
+            SELECT e.job_execution_id FROM ended_executions e
+            WHERE e.ended_at < now() - $1::interval
+              AND NOT EXISTS (SELECT 1 FROM running_jobs r
+                              WHERE r.job_execution_id = e.job_execution_id)
+            ORDER BY e.ended_at LIMIT $2)
         """,
         older_than,
         limit,
     )
-    return deleted
 
 
 async def prune_runner_credentials(conn: Conn, older_than: timedelta, limit: int) -> int:
@@ -60,18 +62,14 @@ async def prune_runner_credentials(conn: Conn, older_than: timedelta, limit: int
         ("runner_control_sessions", "coalesce(closed_at, expires_at)"),
         ("runner_activation_tokens", "coalesce(consumed_at, revoked_at, expires_at)"),
     ):
-        count: int = await conn.fetchval(
+        deleted += await _count_deleted(
+            conn,
             f"""
-            WITH gone AS (
-                DELETE FROM {table} WHERE id IN (
-                    SELECT id FROM {table} WHERE {dead} < now() - $1::interval
-                     ORDER BY id LIMIT $2)
-                RETURNING 1
-            )
-            SELECT count(*) FROM gone
+            DELETE FROM {table} WHERE id IN (
+                SELECT id FROM {table} WHERE {dead} < now() - $1::interval
+                 ORDER BY id LIMIT $2)
             """,  # noqa: S608 -- table names and expressions from the literal tuple above
             older_than,
             limit,
         )
-        deleted += count
     return deleted

@@ -13,7 +13,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from controlplane.domain import tokens
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
 from controlplane.domain.credentials import Credential
 from controlplane.settings import Settings
@@ -72,13 +71,9 @@ async def create_api_key(svc: Deps, request: Request) -> Response:
     actor = await svc.auth.admin(request)
     body = await read_json(request, wire.CreateApiKey, svc.settings.server.max_body_bytes)
     new = NewCredential(Family(body.kind), body.name, body.workspace_id, lifetime(body.ttl_seconds))
-
-    async def create(conn: Conn, token: tokens.Opaque | None) -> tuple[Credential, str]:
-        return await credentials.issue_key(conn, new, token)
-
     created, raw = await create_once(
-        request, svc, actor, "api_key.create", body, new.family.token_kind, create,
-        credentials.api_key_by_id, lambda found: found.id,
+        request, svc, actor, "api_key.create", body, new, credentials.issue_key,
+        credentials.api_key_by_id,
     )  # fmt: skip
     return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
 
@@ -154,13 +149,9 @@ async def create_registration_token(svc: Deps, request: Request) -> Response:
     new = NewCredential(
         Family.REGISTRATION, body.name, body.workspace_id, lifetime(body.ttl_seconds)
     )
-
-    async def create(conn: Conn, token: tokens.Opaque | None) -> tuple[Credential, str]:
-        return await credentials.issue_key(conn, new, token)
-
     created, raw = await create_once(
-        request, svc, actor, "registration_token.create", body, new.family.token_kind,
-        create, credentials.manual_token_by_id, lambda found: found.id,
+        request, svc, actor, "registration_token.create", body, new, credentials.issue_key,
+        credentials.manual_token_by_id,
     )  # fmt: skip
     return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
 

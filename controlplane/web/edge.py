@@ -16,6 +16,7 @@ from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 
 from controlplane.errors import InvalidInput, PayloadTooLarge, Unauthorized
+from controlplane.wire.common import Capabilities
 
 T = TypeVar("T")
 
@@ -196,6 +197,12 @@ async def read_json(request: Request, kind: type[T], limit: int, *, optional: bo
     if optional and body.strip() in (b"", b"null"):
         return decode(b"{}", kind, max_depth=depth)
     return decode(body, kind, max_depth=depth)
+
+
+def reject_duplicate_tools(capabilities: Capabilities | None) -> None:
+    """A runner's capabilities name each tool once (registration, enrollment, heartbeat)."""
+    if capabilities is not None and (duplicates := capabilities.duplicate_tools()):
+        raise InvalidInput("capabilities list a tool twice", duplicates=duplicates)
 
 
 def path_uuid(request: Request, name: str) -> UUID:

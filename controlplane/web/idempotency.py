@@ -28,6 +28,7 @@ import msgspec
 from starlette.requests import Request
 
 from controlplane.domain import tokens
+from controlplane.domain.credential_rules import NewCredential
 from controlplane.domain.credentials import Credential
 from controlplane.errors import Conflict, InvalidInput
 from controlplane.store import admin_commands
@@ -36,7 +37,13 @@ from controlplane.store.credentials import KeyRing
 from controlplane.store.pool import Conn
 from controlplane.wire.admin import Revoke
 
-T = TypeVar("T")
+
+class _Created(Protocol):
+    @property
+    def id(self) -> UUID: ...
+
+
+C = TypeVar("C", bound=_Created)
 
 MAX_KEY_LENGTH = 256
 
@@ -76,25 +83,26 @@ async def create_once(
     actor: Credential,
     command: str,
     body: msgspec.Struct,
-    kind: tokens.Kind,
-    create: Callable[[Conn, tokens.Opaque | None], Awaitable[tuple[T, str]]],
-    load: Callable[[Conn, UUID], Awaitable[T | None]],
-    target_id: Callable[[T], UUID],
-) -> tuple[T, str]:
+    new: NewCredential,
+    issue: Callable[[Conn, NewCredential, tokens.Opaque | None], Awaitable[tuple[C, str]]],
+    load: Callable[[Conn, UUID], Awaitable[C | None]],
+) -> tuple[C, str]:
+    """The credential `issue` creates for `new` and its raw token; with a known Idempotency-Key
+    the one the first request created, loaded by its id, and the same token derived again."""
     key = idempotency_key(request)
     async with svc.pool.acquire() as conn:
         if key is None:
-            return await create(conn, None)
+            return await issue(conn, new, None)
         key_sha256 = _sha256(key)
         request_sha256 = _sha256(command.encode() + b":" + msgspec.json.encode(body))
         token = tokens.derived_opaque(
-            kind, svc.keys.current.secret, f"{actor.id}:{key}:{request_sha256}"
+            new.family.token_kind, svc.keys.current.secret, f"{actor.id}:{key}:{request_sha256}"
         )
         async with conn.transaction():
             found = await admin_commands.lock_and_find(conn, actor.id, key_sha256)
             if found is None:
-                created, raw = await create(conn, token)
-                done = Remembered(command, request_sha256, target_id(created), token.sha256)
+                created, raw = await issue(conn, new, token)
+                done = Remembered(command, request_sha256, created.id, token.sha256)
                 await admin_commands.remember(conn, actor.id, key_sha256, done)
                 return created, raw
             if (found.command, found.request_sha256) != (command, request_sha256):

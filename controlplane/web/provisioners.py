@@ -9,7 +9,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from controlplane.domain import tokens
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
 from controlplane.domain.provisioners import Provisioner
 from controlplane.store import credentials, provisioners
@@ -90,13 +89,9 @@ async def create_token(svc: Deps, request: Request) -> Response:
     new = NewCredential(
         Family.PROVISIONER, body.name, body.workspace_id, lifetime(body.ttl_seconds)
     )
-
-    async def create(conn: Conn, token: tokens.Opaque | None) -> tuple[Provisioner, str]:
-        return await credentials.issue_provisioner(conn, new, token)
-
     created, raw = await create_once(
-        request, svc, actor, "provisioner_token.create", body, new.family.token_kind,
-        create, provisioners.by_id, lambda found: found.id,
+        request, svc, actor, "provisioner_token.create", body, new,
+        credentials.issue_provisioner, provisioners.by_id,
     )  # fmt: skip
     return json_response(wire.CreatedProvisionerToken(provisioner=_out(created), token=raw), 201)
 

@@ -22,13 +22,13 @@ from starlette.routing import BaseRoute, Route
 from controlplane import metrics
 from controlplane.actors.assignments import AssignmentBoard
 from controlplane.domain.control_sessions import Enrollment
-from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
-from controlplane.errors import BootstrapTokenInvalid, InvalidInput, RunnerLabelsReserved
+from controlplane.domain.labels import LabelSet, provisioned_labels
+from controlplane.errors import BootstrapTokenInvalid
 from controlplane.settings import Settings
 from controlplane.store import activations, control_sessions, fleet, runner_instances
 from controlplane.web import auth
 from controlplane.web.edge import hold as hold_until
-from controlplane.web.edge import json_response, read_json
+from controlplane.web.edge import json_response, read_json, reject_duplicate_tools
 from controlplane.web.endpoints import bound
 from controlplane.web.operations import KNOBS, RCS, Op, operation
 from controlplane.web.queries import decode
@@ -152,18 +152,9 @@ def _count_enrollment(enrolled: Enrollment) -> None:
 )
 async def enrollment(svc: Deps, request: Request) -> Response:
     body = await read_json(request, EnrollmentRequest, svc.settings.server.max_body_bytes)
-    if body.capabilities is not None and (duplicates := body.capabilities.duplicate_tools()):
-        raise InvalidInput("capabilities list a tool twice", duplicates=duplicates)
+    reject_duplicate_tools(body.capabilities)
     session = await svc.auth.control_session(request)
-    supplied = canonicalise(body.labels)
-    labels = supplied
-    if session.provisioner_scope != "installation":
-        labels = strip_reserved(supplied, svc.reserved_labels)
-    if not labels:
-        raise RunnerLabelsReserved(
-            "every declared label is reserved for installation provisioners",
-            labels=list(supplied),
-        )
+    labels = provisioned_labels(body.labels, session.provisioner_scope, svc.reserved_labels)
     ttl = timedelta(seconds=svc.settings.provisioners.activation_token_ttl_seconds)
     async with svc.pool.acquire() as conn:
         enrolled = await control_sessions.enroll(

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 import anyio
 import asyncpg
@@ -22,10 +23,9 @@ from controlplane.actors.dispatch import Dispatcher, Waiter, WaiterState
 from controlplane.actors.feed import FeedWatch
 from controlplane.domain import tokens
 from controlplane.domain.jobs import ClaimedJob, Outcome, SessionClaims
-from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
+from controlplane.domain.labels import LabelSet, canonicalise, provisioned_labels, strip_reserved
 from controlplane.domain.output import tail_of_text
 from controlplane.errors import (
-    InvalidInput,
     LeaseJobMismatch,
     RateLimitUnavailable,
     RegistrationRateLimited,
@@ -33,11 +33,11 @@ from controlplane.errors import (
     ShuttingDown,
 )
 from controlplane.settings import Settings
-from controlplane.store import activations, executions, leases, queue, sessions
+from controlplane.store import activations, claiming, executions, leases, sessions
 from controlplane.store import ephemeral as ephemeral_store
 from controlplane.store.pool import borrow
 from controlplane.web import auth
-from controlplane.web.edge import hold, json_response, path_uuid, read_json
+from controlplane.web.edge import hold, json_response, path_uuid, read_json, reject_duplicate_tools
 from controlplane.web.endpoints import bound
 from controlplane.web.operations import ERT, JL, KNOBS, MRT, RAT, RS, Op, operation
 from controlplane.web.queries import decode
@@ -82,11 +82,6 @@ _NO_JOB = {
 }
 
 
-def _check_capabilities(capabilities: Capabilities | None) -> None:
-    if capabilities is not None and (duplicates := capabilities.duplicate_tools()):
-        raise InvalidInput("capabilities list a tool twice", duplicates=duplicates)
-
-
 @operation(
     Op(
         "Register a runner session (manual, or a provisioned runner's activation or ephemeral "
@@ -119,7 +114,7 @@ async def register(svc: Deps, request: Request) -> Response:
         return await _register_ephemeral(svc, request)
     token = await svc.auth.manual_registration(request)
     body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
-    _check_capabilities(body.capabilities)
+    reject_duplicate_tools(body.capabilities)
     supplied = canonicalise(body.labels)
     labels = strip_reserved(supplied, svc.reserved_labels)
     if not labels:
@@ -137,14 +132,24 @@ async def register(svc: Deps, request: Request) -> Response:
             capabilities=None if body.capabilities is None else body.capabilities.as_json(),
         )
     claims = SessionClaims(session.id, session.workspace_id, labels, None)
-    log.info("runner.registered", extra={"runner_session_id": str(session.id), "mode": "manual"})
+    return _registered(svc, claims, "manual", {"runner_session_id": str(session.id)})
+
+
+def _registered(
+    svc: Deps,
+    claims: SessionClaims,
+    mode: Literal["manual", "ephemeral", "activation"],
+    ids: Mapping[str, object],
+) -> Response:
+    """A new session's token and polling knobs, logged as `runner.registered` with `ids`."""
+    log.info("runner.registered", extra={**ids, "mode": mode})
     return json_response(
         RegisterResponse(
             session_token=svc.auth.mint_session(claims),
-            session_id=session.id,
-            mode="manual",
-            max_claims=None,
-            labels=list(labels),
+            session_id=claims.runner_session_id,
+            mode=mode,
+            max_claims=claims.max_claims,
+            labels=list(claims.labels),
             heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,
             long_poll_max_seconds=svc.settings.runners.long_poll_max_seconds,
         )
@@ -156,8 +161,8 @@ async def _register_activation(svc: Deps, request: Request) -> Response:
     Reserved labels are kept for an installation provisioner's runner, stripped otherwise."""
     grant = await svc.auth.activation(request)
     body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
-    _check_capabilities(body.capabilities)
-    labels = _provisioned_labels(body.labels, grant.provisioner_scope, svc.reserved_labels)
+    reject_duplicate_tools(body.capabilities)
+    labels = provisioned_labels(body.labels, grant.provisioner_scope, svc.reserved_labels)
     async with svc.pool.acquire() as conn:
         session = await activations.consume_activation(
             conn,
@@ -166,25 +171,11 @@ async def _register_activation(svc: Deps, request: Request) -> Response:
             capabilities=None if body.capabilities is None else body.capabilities.as_json(),
         )
     claims = SessionClaims(session.id, session.workspace_id, labels, session.max_claims)
-    log.info(
-        "runner.registered",
-        extra={
-            "runner_session_id": str(session.id),
-            "runner_instance_id": str(grant.runner_instance_id),
-            "mode": "activation",
-        },
-    )
-    return json_response(
-        RegisterResponse(
-            session_token=svc.auth.mint_session(claims),
-            session_id=session.id,
-            mode="activation",
-            max_claims=session.max_claims,
-            labels=list(labels),
-            heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,
-            long_poll_max_seconds=svc.settings.runners.long_poll_max_seconds,
-        )
-    )
+    ids = {
+        "runner_session_id": str(session.id),
+        "runner_instance_id": str(grant.runner_instance_id),
+    }
+    return _registered(svc, claims, "activation", ids)
 
 
 async def _register_ephemeral(svc: Deps, request: Request) -> Response:
@@ -195,7 +186,7 @@ async def _register_ephemeral(svc: Deps, request: Request) -> Response:
     provisioner's token, stripped otherwise."""
     grant = await svc.auth.ephemeral_registration(request)
     body = await read_json(request, RegisterRequest, svc.settings.server.max_body_bytes)
-    _check_capabilities(body.capabilities)
+    reject_duplicate_tools(body.capabilities)
     knobs = svc.settings.provisioners
     ids = {"token_id": str(grant.token_id), "provisioner_id": str(grant.provisioner_id)}
     try:
@@ -218,7 +209,7 @@ async def _register_ephemeral(svc: Deps, request: Request) -> Response:
             extra={**ids, "error": type(error.__cause__).__name__},
         )
         raise
-    labels = _provisioned_labels(body.labels, grant.provisioner_scope, svc.reserved_labels)
+    labels = provisioned_labels(body.labels, grant.provisioner_scope, svc.reserved_labels)
     async with svc.pool.acquire() as conn:
         consumed = await ephemeral_store.consume(
             conn,
@@ -229,25 +220,12 @@ async def _register_ephemeral(svc: Deps, request: Request) -> Response:
         )
     session = consumed.session
     claims = SessionClaims(session.id, session.workspace_id, labels, session.max_claims)
-    log.info(
-        "runner.registered",
-        extra={
-            **ids,
-            "runner_session_id": str(session.id),
-            "runner_instance_ids": [str(i) for i in consumed.linked_runner_ids],
-            "mode": "ephemeral",
-        },
-    )
-    return json_response(
-        RegisterResponse(
-            session_token=svc.auth.mint_session(claims),
-            session_id=session.id,
-            mode="ephemeral",
-            max_claims=session.max_claims,
-            labels=list(labels),
-            heartbeat_interval_seconds=svc.settings.runners.heartbeat_interval_seconds,
-            long_poll_max_seconds=svc.settings.runners.long_poll_max_seconds,
-        )
+    linked = [str(i) for i in consumed.linked_runner_ids]
+    return _registered(
+        svc,
+        claims,
+        "ephemeral",
+        {**ids, "runner_session_id": str(session.id), "runner_instance_ids": linked},
     )
 
 
@@ -266,23 +244,6 @@ def _job_response(svc: Deps, session: SessionClaims, job: ClaimedJob) -> Respons
             output_tail_bytes=svc.settings.runners.output_tail_bytes,
         )
     )
-
-
-def _provisioned_labels(
-    declared: Sequence[str], provisioner_scope: str | None, reserved: LabelSet
-) -> LabelSet:
-    """A provisioned runner's labels: canonical, and without the reserved ones unless its
-    provisioner has installation scope. All reserved: `runner-labels-reserved`."""
-    supplied = canonicalise(declared)
-    labels = supplied
-    if provisioner_scope != "installation":
-        labels = strip_reserved(supplied, reserved)
-    if not labels:
-        raise RunnerLabelsReserved(
-            "every supplied label is reserved for installation provisioners",
-            labels=list(supplied),
-        )
-    return labels
 
 
 def _nothing() -> Response:
@@ -334,7 +295,7 @@ async def _request_job(svc: Deps, request: Request) -> Response:
     wait = limit if asked is None else asked
     if wait == 0:
         async with borrow(svc.pool) as conn:
-            job = await queue.claim(conn, session, liveness_throttle=svc.liveness_throttle)
+            job = await claiming.claim(conn, session, liveness_throttle=svc.liveness_throttle)
         if job is None:
             return _nothing()
         svc.feed.poke()
@@ -392,7 +353,7 @@ async def heartbeat(svc: Deps, request: Request) -> Response:
     wait = decode(request, HeartbeatQuery, svc.settings).wait
     capabilities = body.capabilities
     if isinstance(capabilities, Capabilities):
-        _check_capabilities(capabilities)
+        reject_duplicate_tools(capabilities)
     execution, session_id = lease.identity.job_execution_id, lease.runner_session_id
     with svc.cancels.watch(execution) as cancelled:
         async with svc.pool.acquire() as conn:

@@ -31,7 +31,7 @@ import resource
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import msgspec
@@ -446,14 +446,7 @@ def build(app: ASGIApp, settings: Settings) -> Server:
         limits.max_connections, settings.database.pool_max_size + _RESERVED_DESCRIPTORS
     )
     if cap != limits.max_connections:
-        limits = ConnectionLimits(
-            max_connections=cap,
-            max_header_bytes=limits.max_header_bytes,
-            header_read_timeout_seconds=limits.header_read_timeout_seconds,
-            body_read_timeout_seconds=limits.body_read_timeout_seconds,
-            keep_alive_seconds=limits.keep_alive_seconds,
-            websocket_max_message_bytes=limits.websocket_max_message_bytes,
-        )
+        limits = replace(limits, max_connections=cap)
     config = LimitedConfig(
         app,
         limits,

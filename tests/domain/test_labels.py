@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.domain import labels
-from controlplane.errors import InvalidInput
+from controlplane.errors import InvalidInput, RunnerLabelsReserved
 
 
 def test_j02_canonicalise_trims_lowercases_dedupes_and_sorts() -> None:
@@ -56,3 +56,23 @@ def test_canonicalise_is_idempotent_and_sorted(raw: list[str]) -> None:
     assert labels.canonicalise(once) == once
     assert list(once) == sorted(set(once))
     assert all(label and label == label.strip().lower() for label in once)
+
+
+RESERVED = labels.canonicalise(["gpu", "privileged"])
+
+
+def test_provisioned_labels_strip_reserved_ones_below_installation_scope() -> None:
+    kept = labels.provisioned_labels([" Linux", "GPU", "x64"], "workspace", RESERVED)
+    assert kept == ("linux", "x64")
+
+
+def test_provisioned_labels_keep_reserved_ones_for_an_installation_provisioner() -> None:
+    kept = labels.provisioned_labels(["linux", "gpu"], "installation", RESERVED)
+    assert kept == ("gpu", "linux")
+
+
+@pytest.mark.parametrize("scope", ["workspace", None])
+def test_provisioned_labels_refuse_a_runner_left_with_no_label(scope: str | None) -> None:
+    with pytest.raises(RunnerLabelsReserved) as refused:
+        labels.provisioned_labels(["GPU", "privileged"], scope, RESERVED)
+    assert refused.value.details == {"labels": ["gpu", "privileged"]}

@@ -13,7 +13,7 @@ import pytest
 
 from controlplane.domain.jobs import ClaimedJob, NewJob, Outcome, SessionClaims, StaleRule
 from controlplane.errors import RunnerSessionExhausted
-from controlplane.store import leases, locks, queries, queue, sessions
+from controlplane.store import claiming, leases, locks, queries, queue, sessions
 from controlplane.store.pool import Conn
 from controlplane.store.records import json_value
 from tests.factories import (
@@ -84,7 +84,7 @@ async def enqueue(conn: Conn, *jobs: NewJob) -> None:
 
 
 async def claim_ok(conn: Conn, session: SessionClaims) -> ClaimedJob:
-    claimed = await queue.claim(conn, session)
+    claimed = await claiming.claim(conn, session)
     assert claimed is not None
     return claimed
 
@@ -251,7 +251,7 @@ async def test_j14_empty_queue_claims_nothing_and_writes_no_event(
     """The queue-time metric part of J-14 is not store-level here."""
     session = await manual_session(conn, workspace)
 
-    assert await queue.claim(conn, session) is None
+    assert await claiming.claim(conn, session) is None
 
     assert await running_rows(conn, workspace) == []
     assert await conn.fetchval("SELECT count(*) FROM events") == 0
@@ -327,7 +327,7 @@ async def test_j18_only_incompatible_rows_claims_nothing(
     macos = new_job(workspace, required)
     await enqueue(conn, macos)
 
-    assert await queue.claim(conn, session) is None
+    assert await claiming.claim(conn, session) is None
 
     assert await pending_ids(conn, workspace) == [macos.identity.job_execution_id]
     assert await running_rows(conn, workspace) == []
@@ -344,7 +344,7 @@ async def test_j19_session_without_labels_claims_nothing(
     # It does not even look at the queue: a lock on the whole table does not hold it up.
     async with table_locked(database_url, "pending_jobs", "ACCESS EXCLUSIVE"):
         with anyio.fail_after(3):
-            assert await queue.claim(conn, session) is None
+            assert await claiming.claim(conn, session) is None
 
     assert await pending_ids(conn, workspace) == [job.identity.job_execution_id]
     assert await running_rows(conn, workspace) == []
@@ -397,7 +397,7 @@ async def test_j23_other_workspace_row_is_never_claimed(conn: Conn, workspace: U
     job = new_job(elsewhere, ["linux"])
     await enqueue(conn, job)
 
-    assert await queue.claim(conn, session) is None
+    assert await claiming.claim(conn, session) is None
 
     assert await pending_ids(conn, elsewhere) == [job.identity.job_execution_id]
     assert await conn.fetchval("SELECT count(*) FROM running_jobs") == 0
@@ -442,7 +442,7 @@ async def test_j25_manual_session_claims_two_jobs_in_fifo_order(
 
     assert (await claim_ok(conn, session)).identity == first.identity
     assert (await claim_ok(conn, session)).identity == second.identity
-    assert await queue.claim(conn, session) is None
+    assert await claiming.claim(conn, session) is None
 
     rows = await running_rows(conn, workspace)
     assert {row["runner_session_id"] for row in rows} == {session.runner_session_id}
@@ -461,7 +461,7 @@ async def test_j26_concurrent_claims_of_one_row_yield_exactly_one_job(
         results: list[ClaimedJob | None] = []
 
         async def first_claim() -> None:
-            results.append(await queue.claim(first_conn, first))
+            results.append(await claiming.claim(first_conn, first))
 
         # The table lock is released on leaving the block, before the task group waits.
         with anyio.fail_after(10):
@@ -472,7 +472,7 @@ async def test_j26_concurrent_claims_of_one_row_yield_exactly_one_job(
                 tg.start_soon(first_claim)
                 # The first claim now holds the pending row and waits at its lease insert.
                 await wait_until_blocked(observer, first_conn.get_server_pid())
-                results.append(await queue.claim(second_conn, second))
+                results.append(await claiming.claim(second_conn, second))
 
     assert sorted(r is None for r in results) == [False, True]
     assert [r.identity for r in results if r is not None] == [job.identity]
@@ -509,7 +509,7 @@ async def test_j28_orphan_is_deleted_and_the_claim_returns_nothing(
     session = await manual_session(conn, workspace)
     assert await pending_ids(conn, workspace) == [job.identity.job_execution_id]
 
-    assert await queue.claim(conn, session) is None
+    assert await claiming.claim(conn, session) is None
 
     assert await pending_ids(conn, workspace) == []
     assert await running_row(conn, job.identity.job_execution_id) == before
@@ -535,7 +535,7 @@ async def test_j29_non_matching_orphan_survives_until_reconciled(
     job = await running_with_orphan(conn, workspace, labels=["linux"])
     macos = await manual_session(conn, workspace, ("macos",))
 
-    assert await queue.claim(conn, macos) is None
+    assert await claiming.claim(conn, macos) is None
     assert await pending_ids(conn, workspace) == [job.identity.job_execution_id]
 
     result = await leases.reconcile(conn, job.identity.job_execution_id, Outcome.CANCELLED)
@@ -566,7 +566,7 @@ async def test_j30_older_genuine_job_is_claimed_ahead_of_newer_orphan(
     assert (await claim_ok(conn, session)).identity == genuine.identity
     assert await pending_ids(conn, workspace) == [orphan.identity.job_execution_id]
 
-    assert await queue.claim(conn, session) is None
+    assert await claiming.claim(conn, session) is None
     assert await pending_ids(conn, workspace) == []
     assert (await running_row(conn, orphan.identity.job_execution_id))["runner_session_id"] != (
         session.runner_session_id
@@ -580,7 +580,7 @@ async def test_j33_empty_poll_still_touches_a_stale_session(conn: Conn, workspac
     session = await manual_session(conn, workspace)
     stale = await stale_session(conn, session, timedelta(minutes=1))
 
-    assert await queue.claim(conn, session) is None
+    assert await claiming.claim(conn, session) is None
 
     assert await session_updated_at(conn, session) - stale > timedelta(seconds=50)
 
@@ -603,7 +603,7 @@ async def test_j35_touch_inside_the_throttle_window_changes_nothing(
     recent = await stale_session(conn, session, timedelta(seconds=5))
 
     await claim_ok(conn, session)
-    assert await queue.claim(conn, session) is None
+    assert await claiming.claim(conn, session) is None
 
     assert await session_updated_at(conn, session) == recent
 
@@ -618,7 +618,7 @@ async def test_j36_capped_session_is_exhausted_after_one_claim(conn: Conn, works
     assert await claims_used(conn, session) == 1
 
     with pytest.raises(RunnerSessionExhausted):
-        await queue.claim(conn, session)
+        await claiming.claim(conn, session)
 
     assert await claims_used(conn, session) == 1
     assert await pending_ids(conn, workspace) == [second.identity.job_execution_id]
@@ -676,7 +676,7 @@ async def test_j41_revoked_capped_session_is_exhausted(conn: Conn, workspace: UU
     )
 
     with pytest.raises(RunnerSessionExhausted):
-        await queue.claim(conn, session)
+        await claiming.claim(conn, session)
 
     assert await claims_used(conn, session) == 0
     assert await pending_ids(conn, workspace) == [job.identity.job_execution_id]
@@ -688,7 +688,7 @@ async def test_j42_dropping_an_orphan_spends_no_claim(conn: Conn, workspace: UUI
     orphan = await running_with_orphan(conn, workspace)
     session = await capped_session(conn, workspace, max_claims=1)
 
-    assert await queue.claim(conn, session) is None
+    assert await claiming.claim(conn, session) is None
 
     assert await claims_used(conn, session) == 0
     assert await pending_ids(conn, workspace) == []
@@ -714,7 +714,7 @@ async def test_j43_concurrent_claims_by_one_capped_session_claim_once(
 
         async def claim(connection: Conn) -> None:
             try:
-                claimed.append(await queue.claim(connection, session))
+                claimed.append(await claiming.claim(connection, session))
             except RunnerSessionExhausted as error:
                 exhausted.append(error)
 

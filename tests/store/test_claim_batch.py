@@ -8,7 +8,7 @@ from uuid import UUID
 import pytest
 
 from controlplane.domain.jobs import SessionClaims
-from controlplane.store import locks, queue
+from controlplane.store import claiming, locks
 from controlplane.store.pool import Conn
 from controlplane.store.records import json_value
 from tests.factories import holding_lock, manual_session, minutes_ago, new_job
@@ -33,7 +33,7 @@ async def test_the_kth_oldest_job_goes_to_the_kth_session_with_one_event_each(
     runners = await sessions_of(conn, workspace, 3)
     ids = [session.runner_session_id for session in runners]
 
-    claimed = await queue.claim_batch(conn, workspace, runners[0].labels, ids)
+    claimed = await claiming.claim_batch(conn, workspace, runners[0].labels, ids)
 
     assert [claimed[i].identity for i in ids] == [job.identity for job in jobs[:3]]
     for session_id, job in zip(ids, jobs[:3], strict=True):
@@ -56,11 +56,11 @@ async def test_fewer_jobs_than_sessions_serves_the_first_sessions(
     runners = await sessions_of(conn, workspace, 4)
     ids = [session.runner_session_id for session in runners]
 
-    claimed = await queue.claim_batch(conn, workspace, runners[0].labels, ids)
+    claimed = await claiming.claim_batch(conn, workspace, runners[0].labels, ids)
 
     assert list(claimed) == ids[:2]
     assert await pending_ids(conn, workspace) == []
-    assert await queue.claim_batch(conn, workspace, runners[0].labels, ids[2:]) == {}
+    assert await claiming.claim_batch(conn, workspace, runners[0].labels, ids[2:]) == {}
 
 
 async def test_labels_still_match_by_subset(conn: Conn, workspace: UUID) -> None:
@@ -69,7 +69,7 @@ async def test_labels_still_match_by_subset(conn: Conn, workspace: UUID) -> None
     await enqueue(conn, wide, fits)
     runners = await sessions_of(conn, workspace, 2)  # linux, x64: no gpu
 
-    claimed = await queue.claim_batch(
+    claimed = await claiming.claim_batch(
         conn, workspace, runners[0].labels, [s.runner_session_id for s in runners]
     )
 
@@ -88,7 +88,7 @@ async def test_a_busy_head_is_stepped_over_and_every_session_is_still_served(
     ids = [session.runner_session_id for session in runners]
 
     async with holding_lock(database_url, locks.execution(head.identity.job_execution_id)):
-        claimed = await queue.claim_batch(conn, workspace, runners[0].labels, ids)
+        claimed = await claiming.claim_batch(conn, workspace, runners[0].labels, ids)
 
     # The busy head is skipped: the first session gets the second row; the second session,
     # left unserved by that round, gets the third in the retry that steps over the head.
@@ -108,7 +108,7 @@ async def test_an_orphan_is_dropped_without_a_lease_and_the_session_served_from_
     ids = [session.runner_session_id for session in runners]
     events_before = len(await claimed_events(conn, workspace))
 
-    claimed = await queue.claim_batch(conn, workspace, runners[0].labels, ids)
+    claimed = await claiming.claim_batch(conn, workspace, runners[0].labels, ids)
 
     assert [job.identity for job in claimed.values()] == [genuine.identity]
     assert await running_row(conn, orphan.identity.job_execution_id) == before
@@ -127,6 +127,6 @@ async def test_a_session_twice_or_too_many_sessions_is_refused_and_changes_nothi
 
     for session_ids in (twice, too_many):
         with pytest.raises(ValueError, match="distinct sessions"):
-            await queue.claim_batch(conn, workspace, runner.labels, session_ids)
+            await claiming.claim_batch(conn, workspace, runner.labels, session_ids)
 
     assert await pending_ids(conn, workspace) == [job.identity.job_execution_id]

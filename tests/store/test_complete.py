@@ -17,7 +17,7 @@ from controlplane.domain.jobs import (
     StaleRule,
 )
 from controlplane.errors import RunningJobExecutionNotFound
-from controlplane.store import executions, leases, queue
+from controlplane.store import claiming, executions, leases, queue
 from controlplane.store.pool import Conn
 from tests.factories import claimed_job, event_types, manual_session, new_job
 
@@ -218,7 +218,7 @@ async def test_enqueue_replay_never_recreates_the_execution_after_the_outbox_is_
     if ending is Ending.CANCELLED_PENDING:
         await leases.reconcile(conn, execution, Outcome.CANCELLED)
     else:
-        assert await queue.claim(conn, session) is not None
+        assert await claiming.claim(conn, session) is not None
     if ending is Ending.COMPLETED:
         await leases.complete(conn, execution, session.runner_session_id, Outcome.SUCCEEDED)
     elif ending is Ending.CANCELLED_RUNNING:
@@ -244,7 +244,7 @@ async def test_enqueue_replay_never_recreates_the_execution_after_the_outbox_is_
         await conn.fetch("SELECT * FROM running_jobs WHERE job_execution_id = $1", execution)
         == running_before
     )
-    assert await queue.claim(conn, session) is None
+    assert await claiming.claim(conn, session) is None
 
 
 async def test_the_exit_code_and_output_tail_are_kept_with_the_tombstone_and_the_event(

@@ -13,7 +13,7 @@ import pytest
 from controlplane.domain.jobs import EnqueueResult, NewJob, StaleRule
 from controlplane.domain.labels import canonicalise
 from controlplane.errors import EmptyRequiredLabels
-from controlplane.store import leases, locks, queue
+from controlplane.store import claiming, leases, locks, queue
 from controlplane.store.pool import Conn
 from tests.factories import holding_lock, manual_session, minutes_ago, new_job, wait_until_blocked
 
@@ -134,7 +134,7 @@ async def test_j06_enqueue_of_running_execution_is_a_no_op(conn: Conn, workspace
     job = new_job(workspace)
     session = await manual_session(conn, workspace)
     await queue.enqueue(conn, [job])
-    assert await queue.claim(conn, session) is not None
+    assert await claiming.claim(conn, session) is not None
     [before] = await running_rows(conn, workspace)
 
     assert await queue.enqueue(conn, [job]) == [EnqueueResult.RUNNING]
@@ -148,7 +148,7 @@ async def test_j07_enqueue_after_lease_expired_is_a_no_op(conn: Conn, workspace:
     job = new_job(workspace)
     session = await manual_session(conn, workspace)
     await queue.enqueue(conn, [job])
-    assert await queue.claim(conn, session) is not None
+    assert await claiming.claim(conn, session) is not None
     await conn.execute(
         """
         UPDATE running_jobs SET started_at = now() - interval '10 minutes',
@@ -182,7 +182,7 @@ async def test_j08_replays_keep_one_row_and_none_after_claim(conn: Conn, workspa
     [row] = await pending_rows(conn, workspace)
     assert row["created_at"] == job.queued_at
 
-    claimed = await queue.claim(conn, session)
+    claimed = await claiming.claim(conn, session)
     assert claimed is not None
     assert claimed.identity == job.identity
 

@@ -8,7 +8,7 @@ import asyncpg
 import pytest
 
 from controlplane.domain.jobs import EventType, JobIdentity
-from controlplane.store import events, queue
+from controlplane.store import claiming, events, queue
 from controlplane.store.pool import Conn
 from tests.factories import manual_session, new_job
 
@@ -57,7 +57,7 @@ async def test_late_committing_transaction_is_not_skipped(
         async with t1_conn.transaction():
             # T1 claims (writing job.claimed) and stays open; T2 writes and commits after it.
             await queue.enqueue(t1_conn, [late_job])
-            assert await queue.claim(t1_conn, session) is not None
+            assert await claiming.claim(t1_conn, session) is not None
             await write_one(t2_conn, EventType.REQUEUED, early)
 
             assert await events.read(conn, after=cursor) == []

@@ -22,7 +22,7 @@ from controlplane.domain.demand import Template
 from controlplane.domain.jobs import SessionClaims
 from controlplane.domain.rounds import WorkspaceRound
 from controlplane.errors import RunnerSessionExhausted
-from controlplane.store import activations, demand, locks, queue
+from controlplane.store import activations, claiming, demand, locks, queue
 from controlplane.store.pool import Conn
 from tests import provisioning
 from tests.factories import holding_lock, new_job, wait_until_blocked
@@ -61,7 +61,7 @@ async def test_j40_the_first_claim_releases_one_unit_and_the_session_is_then_spe
 ) -> None:
     _, reservation, runner, session = await _activated(conn, workspace, count=2)
     await queue.enqueue(conn, [new_job(workspace), new_job(workspace)])
-    claimed = await queue.claim(conn, _claims(session, workspace))
+    claimed = await claiming.claim(conn, _claims(session, workspace))
     assert claimed is not None
     assert await conn.fetchval("SELECT count FROM reservations WHERE id = $1", reservation) == 1
     row = await conn.fetchrow(
@@ -74,7 +74,7 @@ async def test_j40_the_first_claim_releases_one_unit_and_the_session_is_then_spe
     assert stamped is not None
     # One claim per activation session: the second is refused and releases nothing more.
     with pytest.raises(RunnerSessionExhausted):
-        await queue.claim(conn, _claims(session, workspace))
+        await claiming.claim(conn, _claims(session, workspace))
     assert await conn.fetchval("SELECT count FROM reservations WHERE id = $1", reservation) == 1
     again = await conn.fetchval(
         "SELECT reservation_released_at FROM runner_instances WHERE id = $1", runner
@@ -95,7 +95,7 @@ async def test_the_claim_waits_for_the_assignment_lock_before_locking_its_sessio
     async with pool.acquire() as own:
 
         async def claim() -> None:
-            result.append(await queue.claim(own, _claims(session, workspace)))
+            result.append(await claiming.claim(own, _claims(session, workspace)))
 
         held = holding_lock(database_url, locks.assignment(provisioner_id, reservation))
         async with anyio.create_task_group() as group, held:

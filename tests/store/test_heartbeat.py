@@ -10,7 +10,7 @@ import pytest
 
 from controlplane.domain.jobs import ClaimedJob, Outcome, SessionClaims
 from controlplane.errors import RunningJobExecutionNotFound
-from controlplane.store import leases, queue
+from controlplane.store import claiming, leases, queue
 from controlplane.store.pool import Conn
 from tests.factories import manual_session, new_job
 
@@ -18,7 +18,7 @@ from tests.factories import manual_session, new_job
 async def claimed_job(conn: Conn, workspace: UUID) -> tuple[SessionClaims, ClaimedJob]:
     session = await manual_session(conn, workspace)
     await queue.enqueue(conn, [new_job(workspace)])
-    job = await queue.claim(conn, session)
+    job = await claiming.claim(conn, session)
     assert job is not None
     return session, job
 

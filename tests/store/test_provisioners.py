@@ -10,7 +10,7 @@ import pytest
 from controlplane.domain import tokens
 from controlplane.domain.provisioners import Fence, Provisioner
 from controlplane.errors import RunnerSessionExhausted
-from controlplane.store import locks, provisioner_sessions, provisioners, queue
+from controlplane.store import claiming, locks, provisioner_sessions, provisioners, queue
 from controlplane.store.pool import Conn
 from tests.factories import capped_session, new_job, wait_until_blocked
 from tests.provisioning import reservation
@@ -30,7 +30,7 @@ async def test_j100_revoking_a_provisioner_revokes_only_its_unused_sessions(
         conn, workspace, provisioner_id=other.id, provider_runner_id="c"
     )
     await queue.enqueue(conn, [new_job(workspace)])
-    assert await queue.claim(conn, used) is not None
+    assert await claiming.claim(conn, used) is not None
 
     await provisioners.revoke(conn, created.id)
 
@@ -40,7 +40,7 @@ async def test_j100_revoking_a_provisioner_revokes_only_its_unused_sessions(
     assert await conn.fetchval(revoked, elsewhere.runner_session_id) is False
     await queue.enqueue(conn, [new_job(workspace)])
     with pytest.raises(RunnerSessionExhausted):
-        await queue.claim(conn, unused)
+        await claiming.claim(conn, unused)
 
 
 async def test_scope_and_workspace_agree_in_the_database(conn: Conn) -> None:
@@ -159,7 +159,7 @@ async def test_s44_after_revocation_unclaimed_sessions_are_exhausted_claimed_one
         conn, workspace, provisioner_id=created.id, provider_runner_id="b"
     )
     await queue.enqueue(conn, [new_job(workspace)])
-    assert await queue.claim(conn, claimed) is not None
+    assert await claiming.claim(conn, claimed) is not None
 
     await provisioners.revoke(conn, created.id)
 
@@ -167,7 +167,7 @@ async def test_s44_after_revocation_unclaimed_sessions_are_exhausted_claimed_one
     assert await conn.fetchval(revoked, claimed.runner_session_id) is None
     await queue.enqueue(conn, [new_job(workspace)])
     with pytest.raises(RunnerSessionExhausted):
-        await queue.claim(conn, unclaimed)
+        await claiming.claim(conn, unclaimed)
 
 
 async def test_s45_re_revoking_keeps_the_original_revocation_and_cascades_nothing(

@@ -6,14 +6,14 @@ from datetime import timedelta
 from uuid import UUID
 
 from controlplane.domain.jobs import ClaimedJob, Outcome, SessionClaims
-from controlplane.store import leases, queries, queue
+from controlplane.store import claiming, leases, queries, queue
 from controlplane.store.pool import Conn
 from tests.factories import manual_session, new_job
 
 
 async def claimed_job(conn: Conn, session: SessionClaims) -> ClaimedJob:
     await queue.enqueue(conn, [new_job(session.workspace_id)])
-    job = await queue.claim(conn, session)
+    job = await claiming.claim(conn, session)
     assert job is not None
     return job
 
@@ -42,7 +42,7 @@ async def test_j85_two_enqueues_and_a_claim_add_one_pending_and_one_running(
     baseline = await queries.depth(conn)
 
     await queue.enqueue(conn, [new_job(workspace), new_job(workspace)])
-    assert await queue.claim(conn, session) is not None
+    assert await claiming.claim(conn, session) is not None
 
     after = await queries.depth(conn)
     assert after.pending == baseline.pending + 1

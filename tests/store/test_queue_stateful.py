@@ -54,7 +54,7 @@ from controlplane.domain.jobs import (
 )
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.errors import RunnerSessionExhausted, RunningJobExecutionNotFound
-from controlplane.store import leases, queue
+from controlplane.store import claiming, leases, queue
 from controlplane.store.pool import PoolSettings, server_settings
 from tests.conftest import with_database
 from tests.factories import capped_session, manual_session, new_job
@@ -350,7 +350,7 @@ class QueueMachine(RuleBasedStateMachine):
         expected: tuple[type[BaseException], ...] = (
             (RunnerSessionExhausted,) if session.max_claims is not None else ()
         )
-        return Planned(label, lambda conn: queue.claim(conn, session), check, expected)
+        return Planned(label, lambda conn: claiming.claim(conn, session), check, expected)
 
     def _plan_lease_op(
         self, op: Op, ended_before: set[UUID], current: list[tuple[UUID, UUID]]

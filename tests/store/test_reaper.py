@@ -18,7 +18,7 @@ from controlplane.domain.jobs import (
     SessionClaims,
     StaleRule,
 )
-from controlplane.store import leases, locks, queue
+from controlplane.store import claiming, leases, locks, queue
 from controlplane.store.pool import Conn
 from tests.factories import (
     claimed_job,
@@ -486,7 +486,7 @@ async def test_j82_reaper_tick_during_an_orphan_claim_does_not_deadlock(
         claimer_pid: int = await claimer.fetchval("SELECT pg_backend_pid()")
 
         async def run_claim() -> None:
-            claims.append(await queue.claim(claimer, claimer_session))
+            claims.append(await claiming.claim(claimer, claimer_session))
 
         with anyio.fail_after(10):
             # An uncommitted update of the lease row makes the orphan's insert wait on its
@@ -510,7 +510,7 @@ async def test_j82_reaper_tick_during_an_orphan_claim_does_not_deadlock(
     assert not await is_running(conn, execution)
     assert await expired_events(conn) == [execution]
     assert await event_types(conn, execution) == ["job.claimed", "job.lease_expired"]
-    assert await queue.claim(conn, claimer_session) is None
+    assert await claiming.claim(conn, claimer_session) is None
 
 
 async def test_j82_orphan_claim_during_a_reaper_tick_does_not_deadlock(
@@ -545,13 +545,13 @@ async def test_j82_orphan_claim_during_a_reaper_tick_does_not_deadlock(
             ):
                 tasks.start_soon(run_reap)
                 await wait_until_blocked(observer, reaper_pid)
-                assert await queue.claim(claimer, claimer_session) is None
+                assert await claiming.claim(claimer, claimer_session) is None
 
     assert [ids(tick) for tick in reaped] == [[execution]]
     assert await pending_count(conn, execution) == 0
     assert not await is_running(conn, execution)
     assert await expired_events(conn) == [execution]
-    assert await queue.claim(conn, claimer_session) is None
+    assert await claiming.claim(conn, claimer_session) is None
 
 
 async def test_j83_reaper_takes_the_oldest_stale_instant_first_ties_by_id(

@@ -16,7 +16,7 @@ from controlplane.domain.jobs import (
     ReconcileResult,
     SessionClaims,
 )
-from controlplane.store import leases, queue
+from controlplane.store import claiming, leases, queue
 from controlplane.store.pool import Conn
 from tests.factories import event_types, holding, manual_session, new_job, wait_until_blocked
 
@@ -26,7 +26,7 @@ async def claimed_job(
 ) -> tuple[SessionClaims, ClaimedJob]:
     session = await manual_session(conn, workspace)
     await queue.enqueue(conn, [new_job(workspace, job_id=job_id)])
-    job = await queue.claim(conn, session)
+    job = await claiming.claim(conn, session)
     assert job is not None
     return session, job
 
@@ -208,7 +208,7 @@ async def test_j60_reconcile_waits_for_an_uncommitted_claim_and_cancels_its_leas
         reconciler_pid: int = await reconciler.fetchval("SELECT pg_backend_pid()")
 
         async def run_claim() -> None:
-            claims.append(await queue.claim(claimer, session))
+            claims.append(await claiming.claim(claimer, session))
 
         async def run_reconcile() -> None:
             results.append(await leases.reconcile(reconciler, execution, Outcome.CANCELLED))
@@ -279,7 +279,7 @@ async def test_cancel_session_jobs_requests_cancel_of_that_sessions_leases_once(
 ) -> None:
     session, first = await claimed_job(conn, workspace)
     await queue.enqueue(conn, [new_job(workspace)])
-    second = await queue.claim(conn, session)
+    second = await claiming.claim(conn, session)
     assert second is not None
     _, other = await claimed_job(conn, workspace)
 

@@ -6,7 +6,7 @@ from uuid import UUID
 import asyncpg
 import pytest
 
-from controlplane.store import queue, sessions
+from controlplane.store import claiming, queue, sessions
 from controlplane.store.pool import Conn
 from tests.factories import capped_session, new_job
 
@@ -42,9 +42,9 @@ async def test_j37_capped_empty_poll_spends_nothing_and_a_claim_spends_one(
 ) -> None:
     """The runner-instance `first_claimed_at` part belongs to provisioning (not built yet)."""
     session = await capped_session(conn, workspace)
-    assert await queue.claim(conn, session) is None
+    assert await claiming.claim(conn, session) is None
     used = "SELECT claims_used FROM runner_sessions WHERE id = $1"
     assert await conn.fetchval(used, session.runner_session_id) == 0
     await queue.enqueue(conn, [new_job(workspace)])
-    assert await queue.claim(conn, session) is not None
+    assert await claiming.claim(conn, session) is not None
     assert await conn.fetchval(used, session.runner_session_id) == 1

@@ -9,7 +9,7 @@ import anyio
 import asyncpg
 
 from controlplane.domain.labels import canonicalise
-from controlplane.store import queue, sessions
+from controlplane.store import claiming, queue, sessions
 from controlplane.store.pool import Conn
 from tests.factories import manual_session, new_job
 
@@ -106,7 +106,7 @@ async def test_j98_gc_keeps_an_expired_session_that_still_holds_a_lease(
 ) -> None:
     session = await manual_session(conn, workspace)
     await queue.enqueue(conn, [new_job(workspace)])
-    assert await queue.claim(conn, session) is not None
+    assert await claiming.claim(conn, session) is not None
     await set_age(conn, session.runner_session_id, 45)
 
     assert await collect(conn) == 0
@@ -137,7 +137,7 @@ async def test_gc_skips_a_session_whose_claim_is_in_flight(
     async with pool.acquire() as claimer:
         with anyio.fail_after(10):
             async with claimer.transaction():
-                assert await queue.claim(claimer, session) is not None
+                assert await claiming.claim(claimer, session) is not None
                 # The uncommitted lease holds a key-share lock on the session row.
                 assert await collect(conn) == 0
 

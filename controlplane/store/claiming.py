@@ -1,0 +1,332 @@
+"""Claims: a runner session takes the oldest compatible pending execution (`claim`), the
+dispatcher hands one to each of many parked sessions at once (`claim_batch`), and a parked
+runner's poll stamps its session's liveness (`touch_session`, `touch_sessions`).
+
+The lock order is the queue's (store/queue.py): a claim takes the pending row FOR UPDATE SKIP
+LOCKED before the execution lock, but only *tries* that lock and never waits for it, so it
+cannot close a cycle with the transactions that wait for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from uuid import UUID
+
+from controlplane.domain.jobs import (
+    ClaimedJob,
+    EventType,
+    SessionClaims,
+)
+from controlplane.domain.labels import LabelSet
+from controlplane.errors import RunnerSessionExhausted
+from controlplane.store import activations, locks
+from controlplane.store.pool import Conn
+from controlplane.store.records import IDENTITY_COLUMNS, identity, json_value
+
+# How many busy FIFO heads a claim steps over before it gives up for this attempt. A head is busy
+# when another transaction holds its execution lock (an enqueue replay, a reconcile, the reaper).
+MAX_BUSY_HEADS = 16
+
+_EXECUTION_TRY_LOCK = (
+    f"pg_try_advisory_xact_lock({locks.sql_key(locks.EXECUTION, 'p.job_execution_id')})"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ProvisionedClaim(ClaimedJob):
+    """A claim by a capped session of a provisioner's runner, with what the queue-time and
+    first-claim metrics label it by (the caller records them: the store imports no metrics)."""
+
+    provider_kind: str | None = None
+    launch_kind: str | None = None  # None: no runner instance links this session
+    activated_at: datetime | None = None  # the session's creation, on its first claim only
+
+
+async def touch_session(conn: Conn, session: SessionClaims, throttle: timedelta) -> None:
+    """Liveness: stamp `updated_at`, at most once per throttle window (autocommit)."""
+    await conn.execute(
+        """
+        UPDATE runner_sessions SET updated_at = now()
+        WHERE id = $1 AND workspace_id = $2 AND updated_at < now() - $3::interval
+        """,
+        session.runner_session_id,
+        session.workspace_id,
+        throttle,
+    )
+
+
+async def touch_sessions(
+    conn: Conn, workspace_id: UUID, runner_session_ids: Sequence[UUID], throttle: timedelta
+) -> None:
+    """Liveness of many parked runners in one statement: each session's `updated_at`, at most
+    once per throttle window (autocommit). Locks: the due session rows in id order, skipping any
+    a claim or a revocation holds (liveness is best effort; the next window stamps it), so it
+    never waits and never meets another multi-row locker in a different order."""
+    await conn.execute(
+        """
+        UPDATE runner_sessions SET updated_at = now()
+        WHERE id IN (SELECT id FROM runner_sessions
+                     WHERE id = ANY($1::uuid[]) AND workspace_id = $2
+                       AND updated_at < now() - $3::interval
+                     ORDER BY id FOR UPDATE SKIP LOCKED)
+        """,
+        list(runner_session_ids),
+        workspace_id,
+        throttle,
+    )
+
+
+async def claim(
+    conn: Conn,
+    session: SessionClaims,
+    *,
+    liveness_throttle: timedelta = timedelta(seconds=10),
+) -> ClaimedJob | None:
+    """Claim the oldest compatible pending execution for `session`, or return None.
+
+    Locks, in order: for a provisioned runner's session not yet claimed with, the assignment
+    locks of its reservations (see `activations.lock_first_claim`); the session row FOR
+    UPDATE (capped sessions only; serialises claims by one session so the cap holds), then per
+    candidate: the pending row FOR UPDATE SKIP LOCKED (a row
+    another claim holds is skipped), then a *try* of its execution lock. When the try fails the
+    head is busy (enqueue, reconcile, complete or reaper hold it): we step to the next compatible
+    row, unlike the reference, which returned nothing. We never wait on an execution lock while
+    holding a pending row, so no cycle with the transactions that wait for it (they take the
+    execution lock first, then the pending row).
+
+    An orphan (a pending row whose execution already has a lease) is deleted and stepped over;
+    it spends no claim and writes no event.
+    """
+    if not session.labels:
+        await touch_session(conn, session, liveness_throttle)
+        return None
+    if session.max_claims is None:
+        # Uncapped: each attempt is one autocommitted statement, one round trip.
+        return await _claim_attempts(conn, session, liveness_throttle, None, None)
+    async with conn.transaction():
+        # A provisioned runner's first claim releases its reservation unit: its assignment locks
+        # come first, before the session row, as in every transaction that takes both (the
+        # provisioner revocation cascade revokes unused sessions under those locks).
+        await activations.lock_first_claim(conn, session.runner_session_id)
+        row = await conn.fetchrow(
+            """
+            UPDATE runner_sessions
+            SET updated_at = CASE WHEN updated_at < now() - $3::interval THEN now()
+                                  ELSE updated_at END
+            WHERE id = $1 AND workspace_id = $2
+            RETURNING max_claims, claims_used, revoked_at, provisioner_id, provider_runner_id,
+                      created_at,
+                      CASE WHEN provisioner_id IS NOT NULL THEN
+                          (SELECT ARRAY[ri.provider_kind, ri.launch_kind] FROM runner_instances ri
+                            WHERE ri.runner_session_id = $1 LIMIT 1) END AS origin
+            """,
+            session.runner_session_id,
+            session.workspace_id,
+            liveness_throttle,
+        )
+        exhausted = (
+            row is None
+            or row["revoked_at"] is not None
+            or row["max_claims"] is None
+            or row["claims_used"] >= row["max_claims"]
+        )
+        if not exhausted:
+            assert row is not None
+            claimed = await _claim_attempts(
+                conn, session, liveness_throttle, row["provisioner_id"], row["provider_runner_id"]
+            )
+            if claimed is not None and row["provisioner_id"] is not None:
+                # A provisioned runner's first claim gives its reservation unit back (4.14).
+                await activations.release_on_first_claim(conn, session.runner_session_id)
+                provider_kind, launch_kind = row["origin"] or (None, None)
+                return ProvisionedClaim(
+                    claimed.identity, claimed.required_labels, claimed.payload,
+                    claimed.queued_at, claimed.started_at, provider_kind, launch_kind,
+                    row["created_at"] if row["claims_used"] == 0 else None,
+                )  # fmt: skip
+            return claimed
+    # Raised after commit, so the liveness touch of an exhausted session's poll is kept.
+    raise RunnerSessionExhausted()
+
+
+# The `job.claimed` event of each new lease, as a CTE of the claim statements: `leased` returns
+# the identity columns, runner_session_id and started_at.
+_LOGGED = f"""logged AS (
+    INSERT INTO events (event_type, workspace_id, job_execution_id, payload)
+    SELECT '{EventType.CLAIMED}', workspace_id, job_execution_id,
+           jsonb_build_object('workflow_run_id', workflow_run_id,
+                              'workflow_run_attempt_id', workflow_run_attempt_id,
+                              'job_id', job_id, 'job_execution_id', job_execution_id,
+                              'runner_session_id', runner_session_id, 'claimed_at', started_at)
+    FROM leased
+    RETURNING 1
+)"""  # noqa: S608 -- interpolates an enum value only (EventType.CLAIMED)
+
+# One claim attempt in one statement. $1 workspace, $2 session labels, $3 rows stepped over,
+# $4 session, $5/$6 provisioned link, $7 liveness throttle, $8 capped.
+_CLAIM = f"""
+WITH candidate AS MATERIALIZED (
+    SELECT p.id, {_EXECUTION_TRY_LOCK} AS locked
+    FROM (SELECT id, job_execution_id FROM pending_jobs
+          WHERE workspace_id = $1 AND required_labels <@ $2::text[]
+            AND NOT (id = ANY($3::uuid[]))
+          ORDER BY created_at, id
+          LIMIT 1
+          FOR UPDATE SKIP LOCKED) AS p
+), taken AS (
+    DELETE FROM pending_jobs WHERE id = (SELECT id FROM candidate WHERE locked)
+    RETURNING id, {IDENTITY_COLUMNS}, required_labels, payload, created_at
+), leased AS (
+    INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id, provisioner_id,
+        provider_runner_id, required_labels, runner_labels, payload, queued_at)
+    SELECT id, {IDENTITY_COLUMNS}, $4, $5, $6, required_labels, $2::text[], payload, created_at
+    FROM taken
+    ON CONFLICT (job_execution_id) DO NOTHING
+    RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
+              started_at
+), {_LOGGED}, touched AS (
+    UPDATE runner_sessions
+    SET updated_at = now(),
+        claims_used = claims_used + CASE WHEN $8 THEN (SELECT count(*) FROM leased)::int ELSE 0 END
+    WHERE id = $4 AND workspace_id = $1
+      AND (updated_at < now() - $7::interval OR ($8 AND EXISTS (SELECT 1 FROM leased)))
+    RETURNING 1
+)
+SELECT c.id AS candidate, c.locked, (SELECT count(*) FROM logged) AS logged,
+       (SELECT count(*) FROM touched) AS touched, l.workspace_id, l.workflow_run_id,
+       l.workflow_run_attempt_id, l.job_id, l.job_execution_id, l.project_id, l.required_labels,
+       l.payload::text AS payload, l.queued_at, l.started_at
+FROM (SELECT 1) AS one LEFT JOIN candidate c ON true LEFT JOIN leased l ON true
+"""  # noqa: S608 -- interpolates constants only: _EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED
+
+
+async def _claim_attempts(
+    conn: Conn,
+    session: SessionClaims,
+    liveness_throttle: timedelta,
+    provisioner_id: UUID | None,
+    provider_runner_id: str | None,
+) -> ClaimedJob | None:
+    stepped_over: list[UUID] = []
+    while len(stepped_over) <= MAX_BUSY_HEADS:
+        row = await conn.fetchrow(
+            _CLAIM,
+            session.workspace_id,
+            list(session.labels),
+            stepped_over,
+            session.runner_session_id,
+            provisioner_id,
+            provider_runner_id,
+            liveness_throttle,
+            session.max_claims is not None,
+        )
+        assert row is not None
+        if row["candidate"] is None:
+            return None
+        if row["job_execution_id"] is None:
+            # Busy (its execution lock is held) or an orphan (deleted just now): step over it.
+            stepped_over.append(row["candidate"])
+            continue
+        return ClaimedJob(
+            identity=identity(row),
+            required_labels=tuple(row["required_labels"]),
+            payload=json_value(row["payload"]),
+            queued_at=row["queued_at"],
+            started_at=row["started_at"],
+        )
+    return None
+
+
+# The most sessions one batch claim serves (bounds the statement and the locks it holds).
+MAX_BATCH = 100
+
+# Claims for several uncapped sessions with the same labels in one statement: the batch form of
+# _CLAIM, pairing the k-th oldest compatible row with the k-th session. $1 workspace, $2 the
+# sessions' labels, $3 rows stepped over, $4 the sessions in the order they are served.
+# Rows whose execution lock is busy are skipped (not taken), and an orphan row is deleted without
+# a lease; either leaves a session of the batch unserved, and the caller tries again with those
+# rows stepped over. No liveness touch: the dispatcher stamps parked sessions in batches.
+_CLAIM_BATCH = f"""
+WITH wanted AS (
+    SELECT session_id, ord FROM unnest($4::uuid[]) WITH ORDINALITY AS t(session_id, ord)
+), candidate AS MATERIALIZED (
+    SELECT p.id, p.created_at, {_EXECUTION_TRY_LOCK} AS locked
+    FROM (SELECT id, job_execution_id, created_at FROM pending_jobs
+          WHERE workspace_id = $1 AND required_labels <@ $2::text[]
+            AND NOT (id = ANY($3::uuid[]))
+          ORDER BY created_at, id
+          LIMIT cardinality($4::uuid[])
+          FOR UPDATE SKIP LOCKED) AS p
+), chosen AS (
+    SELECT id, row_number() OVER (ORDER BY created_at, id) AS ord FROM candidate WHERE locked
+), taken AS (
+    DELETE FROM pending_jobs AS p USING chosen c WHERE p.id = c.id
+    RETURNING p.id, {", ".join(f"p.{c}" for c in IDENTITY_COLUMNS.split(", "))},
+              p.required_labels, p.payload, p.created_at, c.ord
+), leased AS (
+    INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id,
+        required_labels, runner_labels, payload, queued_at)
+    SELECT t.id, {", ".join(f"t.{c}" for c in IDENTITY_COLUMNS.split(", "))}, w.session_id,
+           t.required_labels, $2::text[], t.payload, t.created_at
+    FROM taken t JOIN wanted w ON w.ord = t.ord
+    ON CONFLICT (job_execution_id) DO NOTHING
+    RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
+              started_at
+), {_LOGGED}
+SELECT c.id AS candidate, l.workspace_id, l.workflow_run_id, l.workflow_run_attempt_id,
+       l.job_id, l.job_execution_id, l.project_id, l.runner_session_id, l.required_labels,
+       l.payload::text AS payload, l.queued_at, l.started_at,
+       (SELECT count(*) FROM logged) AS logged
+FROM candidate c LEFT JOIN taken t ON t.id = c.id
+     LEFT JOIN leased l ON l.job_execution_id = t.job_execution_id
+"""  # noqa: S608 -- interpolates module constants only (_EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED)
+
+
+async def claim_batch(
+    conn: Conn, workspace_id: UUID, labels: LabelSet, session_ids: Sequence[UUID]
+) -> dict[UUID, ClaimedJob]:
+    """Claim for several uncapped sessions of one workspace with the same `labels`: the oldest
+    compatible rows, the k-th oldest to the k-th session. Returns the claims by session; a
+    session without one found nothing (the queue has fewer compatible rows than sessions).
+
+    Same locks and order as `claim`'s attempt, for up to `MAX_BATCH` rows at once: the pending
+    rows FOR UPDATE SKIP LOCKED, then a try of each one's execution lock; a row whose lock is
+    busy (or an orphan) is stepped over and the unserved sessions try again, at most
+    `MAX_BUSY_HEADS` rows stepped over in all, as for one session. Each round is one
+    autocommitted statement, so when a retry round fails the claims of the rounds before it
+    (committed) are returned rather than lost to an exception. Capped and provisioned sessions
+    must use `claim` (their cap and reservation unit are per session).
+    """
+    waiting = list(session_ids)
+    if len(waiting) > MAX_BATCH or len(set(waiting)) != len(waiting):
+        # One session twice could not tell its claims apart (one would be leased, never
+        # delivered); more than MAX_BATCH would be silently cut short.
+        raise ValueError("claim_batch takes at most MAX_BATCH distinct sessions")
+    if not labels:
+        return {}
+    claimed: dict[UUID, ClaimedJob] = {}
+    stepped_over: list[UUID] = []
+    while waiting and len(stepped_over) <= MAX_BUSY_HEADS:
+        try:
+            rows = await conn.fetch(_CLAIM_BATCH, workspace_id, list(labels), stepped_over, waiting)
+        except Exception:
+            if claimed:
+                break  # earlier rounds committed: their claims must still reach their sessions
+            raise
+        for row in rows:
+            if row["job_execution_id"] is None:
+                stepped_over.append(row["candidate"])
+                continue
+            claimed[row["runner_session_id"]] = ClaimedJob(
+                identity=identity(row),
+                required_labels=tuple(row["required_labels"]),
+                payload=json_value(row["payload"]),
+                queued_at=row["queued_at"],
+                started_at=row["started_at"],
+            )
+        if len(rows) < len(waiting):
+            break  # fewer compatible rows than sessions: the rest find nothing
+        waiting = [session for session in waiting if session not in claimed]
+    return claimed
