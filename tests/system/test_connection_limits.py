@@ -142,8 +142,14 @@ async def _probe_while(
         finally:
             done.set()
     assert latencies, "no probe completed during the attack"
+    # A stalled replica shows as a run of slow probes or one very slow one. A single probe can
+    # also lose its core to the rest of the machine (a busy core, the host's own steal) for a
+    # few tens of milliseconds, attack or not: one probe in fifty may pass the bound, none may
+    # pass five times it.
     slow = [round(value, 3) for value in latencies if value >= bound]
-    assert not slow, f"/healthz over {bound:.3f} s during the attack: {slow} of {len(latencies)}"
+    report = f"/healthz over {bound:.3f} s during the attack: {slow} of {len(latencies)}"
+    assert len(slow) <= max(1, len(latencies) // 50), report
+    assert max(latencies) < 5 * bound, report
     return latencies
 
 
