@@ -35,11 +35,11 @@ from controlplane.wire import control as wire
 log = logging.getLogger("controlplane.control")
 
 MAX_FRAME_BYTES = 64 * 1024
-# DatabaseUnavailable among them: store/pool.py turns database faults into it.
-_UNAVAILABLE: tuple[type[Exception], ...] = (Unavailable,)
-# The peer or the server's transport went away: nothing left to answer. (OSError is not here:
-# it is as often the database's connection as the socket's, so it counts as unavailable, and
-# closing a socket that is already gone is harmless.)
+# The session cannot go on for now: DatabaseUnavailable (store/pool.py turns every database
+# fault into it) or any other Unavailable, and OSError, which a send to a socket that is gone
+# raises (uvicorn's ClientDisconnected is one). Closing a socket already gone is harmless.
+_UNAVAILABLE: tuple[type[Exception], ...] = (Unavailable, OSError)
+# The peer or the server's transport went away: nothing left to answer.
 _GONE: tuple[type[Exception], ...] = (
     WebSocketDisconnect,
     anyio.ClosedResourceError,
