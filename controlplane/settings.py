@@ -60,6 +60,10 @@ class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Queue(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_payload_bytes: Annotated[int, msgspec.Meta(ge=2, le=16 * 1024 * 1024)] = 64 * 1024
     max_batch_size: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 500
+    # A job's priority must lie in priority_min..priority_max (0 is the default and always in).
+    priority_min: Annotated[int, msgspec.Meta(ge=-1_000_000, le=0)] = -1000
+    priority_max: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1000
+    max_concurrency_limit: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
 
 
 class Runners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
