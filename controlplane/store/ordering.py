@@ -33,6 +33,7 @@ import enum
 from uuid import UUID
 
 from controlplane.store import locks
+from controlplane.store.events import EVENTS_CHANNEL
 from controlplane.store.pool import Conn
 
 
@@ -140,17 +141,51 @@ async def workspace_ordering(conn: Conn, workspace_id: UUID) -> Ordering:
     return Ordering(value) if value is not None else Ordering.FIFO
 
 
-async def set_workspace_ordering(conn: Conn, workspace_id: UUID, ordering: Ordering) -> bool:
-    """Store the workspace's ordering; True when it changed. Locks: the settings row (by the
-    upsert), in the caller's transaction (the admin route writes its event in the same one)."""
-    changed = await conn.fetchval(
-        """
-        WITH old AS (SELECT ordering FROM workspace_settings WHERE workspace_id = $1)
-        INSERT INTO workspace_settings AS s (workspace_id, ordering) VALUES ($1, $2)
-        ON CONFLICT (workspace_id) DO UPDATE SET ordering = $2, updated_at = now()
-        RETURNING (SELECT coalesce((SELECT ordering FROM old), 'fifo')) <> $2
-        """,
-        workspace_id,
-        ordering.value,
-    )
-    return bool(changed)
+SETTINGS_CHANGED = "workspace.settings_changed"
+
+
+async def set_workspace_ordering(
+    conn: Conn, workspace_id: UUID, ordering: Ordering, *, actor_id: UUID | None = None
+) -> bool:
+    """Store the workspace's ordering; True when it changed, and then one `SETTINGS_CHANGED`
+    event (naming `actor_id`, the admin key) in the same transaction.
+
+    Locks: the settings row (inserted with the defaults if missing, then FOR UPDATE, so two
+    changes at once are serialised and each compares with what the other committed), then the
+    event row. Claims read the row without a lock."""
+    async with conn.transaction():
+        # The default row first (a no-op when there is one), so the lock below always has a
+        # row to take and two first changes at once are serialised too.
+        await conn.execute(
+            "INSERT INTO workspace_settings (workspace_id) VALUES ($1) ON CONFLICT DO NOTHING",
+            workspace_id,
+        )
+        previous = Ordering(
+            await conn.fetchval(
+                "SELECT ordering FROM workspace_settings WHERE workspace_id = $1 FOR UPDATE",
+                workspace_id,
+            )
+        )
+        if previous is ordering:
+            return False  # set already: no change, no event
+        await conn.execute(
+            "UPDATE workspace_settings SET ordering = $2, updated_at = now()"
+            " WHERE workspace_id = $1",
+            workspace_id,
+            ordering.value,
+        )
+        await conn.execute(
+            """
+            INSERT INTO events (event_type, workspace_id, payload)
+            SELECT $1, $2, jsonb_build_object('ordering', $3::text, 'previous', $4::text,
+                                              'changed_by', $5::uuid)
+            FROM (SELECT pg_notify($6, '')) AS wake
+            """,
+            SETTINGS_CHANGED,
+            workspace_id,
+            ordering.value,
+            previous.value,
+            actor_id,
+            EVENTS_CHANNEL,
+        )
+    return True

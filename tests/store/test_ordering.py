@@ -270,8 +270,13 @@ async def test_q19_a_released_slot_wakes_the_runners_of_the_keys_waiting_jobs(
     listener = await asyncpg.connect(database_url)
     try:
 
-        def on_notify(_c: object, _pid: int, _channel: str, payload: str) -> None:
-            heard.append(payload)
+        def on_notify(
+            _c: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy,
+            _pid: int,
+            _channel: str,
+            payload: object,
+        ) -> None:
+            heard.append(str(payload))
             got.set()
 
         await listener.add_listener(queue.ENQUEUED_CHANNEL, on_notify)
