@@ -97,6 +97,9 @@ class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     last_seen_throttle_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 10
     installation_enabled: bool = True
+    # An installation provisioner's walk gives each workspace at most an even share of its slots
+    # (issue 14's fair share) instead of serving the oldest demand first with all of them.
+    installation_fair_share: bool = False
     reservation_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 60
     reservation_ttl_max_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 600
     demand_safety_tick_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=600)] = 2.0
