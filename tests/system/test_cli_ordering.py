@@ -33,7 +33,7 @@ async def test_q39_the_cli_enqueues_with_ordering_fields_and_sets_a_workspace_to
             "--labels", "linux", "--concurrency-key", "deploy/prod", "--", "true",
             CONTROLPLANE_ORCHESTRATOR_KEY=creds.orchestrator_key,
         )  # fmt: skip
-        assert refused.returncode != 0
+        assert refused.returncode == 2
         assert "concurrency_limit" in refused.stderr
         settings = ["workspaces", "settings", str(creds.workspace), "--url", daemon.address]
         fair = await agents.run_client(
