@@ -38,7 +38,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -51,7 +51,7 @@ from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from bench import harness, throughput
-from controlplane.domain.jobs import NewJob, Outcome, SessionClaims
+from controlplane.domain.jobs import ClaimedJob, NewJob, Outcome, SessionClaims
 from controlplane.settings import Maintenance
 from controlplane.store import claiming, credentials, leases, queue, sessions
 
@@ -75,6 +75,8 @@ REPLICA_JOBS = 3000
 WORKSPACES = 10
 SETTLE_SECONDS = 15.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# What a claim-latency run does, untimed, after each timed claim.
+AfterClaim = Callable[[asyncpg.Connection, SessionClaims, ClaimedJob], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -270,10 +272,19 @@ async def _fill_pending(conn: asyncpg.Connection, workspaces: list[uuid.UUID], r
     await conn.execute("VACUUM ANALYZE pending_jobs")
 
 
+async def _refill(conn: asyncpg.Connection, session: SessionClaims, _claimed: ClaimedJob) -> None:
+    await queue.enqueue(conn, [harness.new_job(session.workspace_id)])
+
+
 async def _timed_claims(
-    url: str, claimers: list[SessionClaims], connections: int, total: int
+    url: str,
+    claimers: list[SessionClaims],
+    connections: int,
+    total: int,
+    after: AfterClaim = _refill,
 ) -> list[float]:
-    """`total` claims over `connections` connections, each followed by an untimed refill."""
+    """`total` claims over `connections` connections, each followed by an untimed `after`
+    (by default a refill of one job)."""
     latencies: list[float] = []
 
     async def worker(offset: int) -> None:
@@ -286,7 +297,7 @@ async def _timed_claims(
                 latencies.append(time.perf_counter() - start)
                 if claimed is None:
                     raise RuntimeError("the queue ran dry")
-                await queue.enqueue(conn, [harness.new_job(session.workspace_id)])
+                await after(conn, session, claimed)
         finally:
             await conn.close()
 
@@ -294,6 +305,41 @@ async def _timed_claims(
         for offset in range(connections):
             group.start_soon(worker, offset)
     return latencies
+
+
+async def _claimers(conn: asyncpg.Connection, workspaces: list[uuid.UUID]) -> list[SessionClaims]:
+    """One manual `linux` session per workspace."""
+    claimers = []
+    for workspace in workspaces:
+        made = await sessions.create(
+            conn,
+            workspace_id=workspace,
+            registration_token_id=uuid.uuid4(),
+            kind="manual",
+            labels=("linux",),
+        )
+        claimers.append(SessionClaims(made.id, workspace, ("linux",), None))
+    return claimers
+
+
+async def _latencies(
+    url: str, claimers: list[SessionClaims], samples: int, after: AfterClaim = _refill
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Warm up, then `samples` timed claims on one connection and on CLAIM_CONNECTIONS."""
+    await _timed_claims(url, claimers, 1, 50, after)  # warm caches and prepared statements
+    one = harness.summary_ms(await _timed_claims(url, claimers, 1, samples, after))
+    many = harness.summary_ms(await _timed_claims(url, claimers, CLAIM_CONNECTIONS, samples, after))
+    return one, many
+
+
+def _ratios(top: dict[str, Any], bottom: dict[str, Any]) -> dict[str, dict[str, float]]:
+    return {
+        mode: {
+            quantile: round(top[mode][quantile] / bottom[mode][quantile], 2)
+            for quantile in ("p50_ms", "p99_ms")
+        }
+        for mode in ("one_connection", f"{CLAIM_CONNECTIONS}_connections")
+    }
 
 
 async def claim_latency(server: str, sizes: Sequence[int], samples: int) -> dict[str, Any]:
@@ -306,21 +352,7 @@ async def claim_latency(server: str, sizes: Sequence[int], samples: int) -> dict
             started = time.monotonic()
             await _fill_pending(conn, workspaces, size)
             filled_s = time.monotonic() - started
-            claimers = []
-            for workspace in workspaces:
-                made = await sessions.create(
-                    conn,
-                    workspace_id=workspace,
-                    registration_token_id=uuid.uuid4(),
-                    kind="manual",
-                    labels=("linux",),
-                )
-                claimers.append(SessionClaims(made.id, workspace, ("linux",), None))
-            await _timed_claims(url, claimers, 1, 50)  # warm caches and prepared statements
-            one = harness.summary_ms(await _timed_claims(url, claimers, 1, samples))
-            many = harness.summary_ms(
-                await _timed_claims(url, claimers, CLAIM_CONNECTIONS, samples)
-            )
+            one, many = await _latencies(url, await _claimers(conn, workspaces), samples)
             depth = await conn.fetchval("SELECT count(*) FROM pending_jobs")
         finally:
             await conn.close()
@@ -337,13 +369,7 @@ async def claim_latency(server: str, sizes: Sequence[int], samples: int) -> dict
             f"({CLAIM_CONNECTIONS} conns)"
         )
     smallest, deepest = (found["sizes"][str(size)] for size in (min(sizes), max(sizes)))
-    found["ratio_deepest_to_smallest"] = {
-        mode: {
-            quantile: round(deepest[mode][quantile] / smallest[mode][quantile], 2)
-            for quantile in ("p50_ms", "p99_ms")
-        }
-        for mode in ("one_connection", f"{CLAIM_CONNECTIONS}_connections")
-    }
+    found["ratio_deepest_to_smallest"] = _ratios(deepest, smallest)
     print(f"deepest / smallest: {found['ratio_deepest_to_smallest']}")
     return found
 
@@ -403,43 +429,16 @@ def _ordered_job(workspace: uuid.UUID, projects: list[uuid.UUID], policies: bool
     )
 
 
-async def _timed_ordered_claims(
-    url: str,
-    claimers: list[SessionClaims],
-    projects: list[uuid.UUID],
-    policies: bool,
-    connections: int,
-    total: int,
-) -> list[float]:
-    """`total` claims over `connections` connections, each followed by an untimed completion
-    and a refill of the same shape."""
-    latencies: list[float] = []
+def _complete_and_refill(projects: list[uuid.UUID], policies: bool) -> AfterClaim:
+    """After a timed claim: complete its lease (freeing its key's slot) and enqueue one job of
+    the same shape, so the depth and the keys' counts hold."""
 
-    async def worker(offset: int) -> None:
-        conn = await asyncpg.connect(url)
-        try:
-            for index in range(offset, total, connections):
-                session = claimers[index % len(claimers)]
-                start = time.perf_counter()
-                claimed = await claiming.claim(conn, session)
-                latencies.append(time.perf_counter() - start)
-                if claimed is None:
-                    raise RuntimeError("the queue ran dry")
-                await leases.complete(
-                    conn,
-                    claimed.identity.job_execution_id,
-                    session.runner_session_id,
-                    Outcome.SUCCEEDED,
-                )
-                new = _ordered_job(session.workspace_id, projects, policies)
-                await queue.enqueue(conn, [new])
-        finally:
-            await conn.close()
+    async def after(conn: asyncpg.Connection, session: SessionClaims, claimed: ClaimedJob) -> None:
+        execution = claimed.identity.job_execution_id
+        await leases.complete(conn, execution, session.runner_session_id, Outcome.SUCCEEDED)
+        await queue.enqueue(conn, [_ordered_job(session.workspace_id, projects, policies)])
 
-    async with anyio.create_task_group() as group:
-        for offset in range(connections):
-            group.start_soon(worker, offset)
-    return latencies
+    return after
 
 
 async def ordering_latency(server: str, depth: int, samples: int) -> dict[str, Any]:
@@ -463,25 +462,8 @@ async def ordering_latency(server: str, depth: int, samples: int) -> dict[str, A
             started = time.monotonic()
             await _fill_ordered(conn, workspaces, projects, depth, policies)
             filled_s = time.monotonic() - started
-            claimers = []
-            for workspace in workspaces:
-                made = await sessions.create(
-                    conn,
-                    workspace_id=workspace,
-                    registration_token_id=uuid.uuid4(),
-                    kind="manual",
-                    labels=("linux",),
-                )
-                claimers.append(SessionClaims(made.id, workspace, ("linux",), None))
-            await _timed_ordered_claims(url, claimers, projects, policies, 1, 50)  # warm-up
-            one = harness.summary_ms(
-                await _timed_ordered_claims(url, claimers, projects, policies, 1, samples)
-            )
-            many = harness.summary_ms(
-                await _timed_ordered_claims(
-                    url, claimers, projects, policies, CLAIM_CONNECTIONS, samples
-                )
-            )
+            after = _complete_and_refill(projects, policies)
+            one, many = await _latencies(url, await _claimers(conn, workspaces), samples, after)
         finally:
             await conn.close()
             await harness.drop_database(url)
@@ -496,13 +478,7 @@ async def ordering_latency(server: str, depth: int, samples: int) -> dict[str, A
             f"({CLAIM_CONNECTIONS} conns)"
         )
     plain, ordered = found["variants"]["plain_fifo"], found["variants"]["priority_and_keys"]
-    found["ratio_policies_to_plain"] = {
-        mode: {
-            quantile: round(ordered[mode][quantile] / plain[mode][quantile], 2)
-            for quantile in ("p50_ms", "p99_ms")
-        }
-        for mode in ("one_connection", f"{CLAIM_CONNECTIONS}_connections")
-    }
+    found["ratio_policies_to_plain"] = _ratios(ordered, plain)
     print(f"policies / plain: {found['ratio_policies_to_plain']}")
     return found
 

@@ -133,6 +133,18 @@ async def test_q07_priority_is_per_workspace(conn: Conn, workspace: UUID) -> Non
 # --- concurrency keys -------------------------------------------------------------------------
 
 
+async def one_running_one_waiting(
+    conn: Conn, workspace: UUID
+) -> tuple[NewJob, NewJob, SessionClaims]:
+    """Two jobs of key `deploy` (limit 1), the first claimed by the returned runner."""
+    first = new_job(workspace, queued_at=minutes_ago(10), key=("deploy", 1))
+    second = new_job(workspace, queued_at=minutes_ago(9), key=("deploy", 1))
+    await enqueue(conn, first, second)
+    runner = await manual_session(conn, workspace)
+    assert await claimed_ex(conn, runner) == ex(first)
+    return first, second, runner
+
+
 async def test_q10_a_full_key_waits_without_blocking_the_jobs_behind_it(
     conn: Conn, workspace: UUID
 ) -> None:
@@ -151,11 +163,7 @@ async def test_q10_a_full_key_waits_without_blocking_the_jobs_behind_it(
 async def test_q11_completing_a_keyed_lease_lets_the_next_job_of_the_key_run(
     conn: Conn, workspace: UUID
 ) -> None:
-    first = new_job(workspace, queued_at=minutes_ago(10), key=("deploy", 1))
-    second = new_job(workspace, queued_at=minutes_ago(9), key=("deploy", 1))
-    await enqueue(conn, first, second)
-    runner = await manual_session(conn, workspace)
-    assert await claimed_ex(conn, runner) == ex(first)
+    first, second, runner = await one_running_one_waiting(conn, workspace)
     assert await claimed_ex(conn, runner) is None
     await leases.complete(conn, ex(first), runner.runner_session_id, Outcome.SUCCEEDED)
     assert await key_running(conn, workspace, "deploy") == 0
@@ -165,11 +173,7 @@ async def test_q11_completing_a_keyed_lease_lets_the_next_job_of_the_key_run(
 async def test_q12_a_cancelled_lease_holds_its_slot_until_its_runner_completes(
     conn: Conn, workspace: UUID
 ) -> None:
-    first = new_job(workspace, queued_at=minutes_ago(10), key=("deploy", 1))
-    second = new_job(workspace, queued_at=minutes_ago(9), key=("deploy", 1))
-    await enqueue(conn, first, second)
-    runner = await manual_session(conn, workspace)
-    assert await claimed_ex(conn, runner) == ex(first)
+    first, second, runner = await one_running_one_waiting(conn, workspace)
     await leases.reconcile(conn, ex(first), Outcome.CANCELLED)
     assert await claimed_ex(conn, runner) is None  # still running: the runner drains it
     await leases.complete(conn, ex(first), runner.runner_session_id, Outcome.CANCELLED)
@@ -177,11 +181,7 @@ async def test_q12_a_cancelled_lease_holds_its_slot_until_its_runner_completes(
 
 
 async def test_q13_a_reaped_keyed_lease_frees_its_slot(conn: Conn, workspace: UUID) -> None:
-    first = new_job(workspace, queued_at=minutes_ago(10), key=("deploy", 1))
-    second = new_job(workspace, queued_at=minutes_ago(9), key=("deploy", 1))
-    await enqueue(conn, first, second)
-    runner = await manual_session(conn, workspace)
-    assert await claimed_ex(conn, runner) == ex(first)
+    first, second, runner = await one_running_one_waiting(conn, workspace)
     await make_stale(conn, ex(first))
     [reaped] = await leases.reap(conn, StaleRule())
     assert reaped.identity.job_execution_id == ex(first)
@@ -189,11 +189,7 @@ async def test_q13_a_reaped_keyed_lease_frees_its_slot(conn: Conn, workspace: UU
 
 
 async def test_q14_a_put_back_frees_the_slot_and_keeps_the_key(conn: Conn, workspace: UUID) -> None:
-    first = new_job(workspace, queued_at=minutes_ago(10), key=("deploy", 1))
-    second = new_job(workspace, queued_at=minutes_ago(9), key=("deploy", 1))
-    await enqueue(conn, first, second)
-    runner = await manual_session(conn, workspace)
-    assert await claimed_ex(conn, runner) == ex(first)
+    first, _, runner = await one_running_one_waiting(conn, workspace)
     assert await queue.put_back(conn, ex(first), runner.runner_session_id)
     assert await key_running(conn, workspace, "deploy") == 0
     assert await claimed_ex(conn, runner) == ex(first)  # its place, ahead of the second
