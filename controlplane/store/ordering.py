@@ -14,16 +14,19 @@ Concurrency keys. A keyed job is claimable only while its key's `running` count
 limit: the claim's filter skips a full key's jobs without stopping at them. The filter reads a
 snapshot, so the admission locks the key rows (FOR UPDATE SKIP LOCKED, in key order), which
 reads their newest committed count, before the lease is written, and its lease's insert raises
-the count (trigger) before the statement ends and the row lock is let go. Two claims admitting a
+the count (trigger) under that row lock, held to the claim's commit (the statement's end for an
+uncapped claim). Two claims admitting a
 key's last slot at once: one holds the key row, the other skips it and admits nothing (its
 candidate is stepped over, as a busy head is); once the first commits the count is full. A key
 row that a lease's end is updating is skipped the same way; that end wakes the key's waiters.
 
 Locks, added to the claim's (store/claiming.py), in order: the pending row (FOR UPDATE SKIP
 LOCKED), a try of its execution lock, then, for a keyed job only, its key row (SKIP LOCKED:
-never waited for). A claim waits for no lock at all, so it closes no cycle. Whatever ends a
-lease (complete, cancel, reaper, put-back, release) updates the key row from the trigger after
-its execution lock and its running-row delete: it may wait for a claim's statement to finish.
+never waited for). After the key row a claim waits for nothing but, for a provisioned runner's
+first claim, the reservation rows whose assignment locks it took before everything else (any
+transaction that wants those rows takes the same locks first), so it closes no cycle. Whatever
+ends a lease (complete, cancel, reaper, put-back, release) updates the key row from the trigger
+after its execution lock and its running-row delete: it may wait for a claim to commit.
 Enqueue inserts a key's row once (ON CONFLICT DO NOTHING, after its execution locks).
 """
 
