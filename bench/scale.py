@@ -13,6 +13,12 @@ load, and throughput as replicas are added.
   VACUUM ANALYZE). Every timed claim is followed by an untimed `queue.enqueue` of one new job,
   so the queue keeps its depth. One connection, then 8 at once. The ratio of the deepest to the
   shallowest queue is the figure (target: within 1.5x).
+* ordering: `claiming.claim` as in `pending`, at one depth (1,000,000 by default) in two fresh
+  databases of the same run: plain FIFO (every priority 0, no key) and with the ordering
+  policies on (the rows spread over 1,000 projects, 5 priorities and 10,000 concurrency keys of
+  limit 2). Every timed claim is followed by an untimed completion of its lease (freeing its
+  key's slot) and an enqueue of one job of the same shape, so depth and key counts hold. The
+  ratio of policies to plain is the figure (target: within 1.5x).
 * reaper: one replica with its maintenance at the configured defaults; HTTP runners run the
   whole lifecycle (bench/throughput.py) from a queue kept topped up; then S leases that went
   stale an hour ago are inserted in one transaction. Time until the reaper has expired all of
@@ -29,10 +35,11 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -44,16 +51,21 @@ from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from bench import harness, throughput
-from controlplane.domain.jobs import SessionClaims
+from controlplane.domain.jobs import ClaimedJob, NewJob, Outcome, SessionClaims
 from controlplane.settings import Maintenance
-from controlplane.store import claiming, credentials, queue, sessions
+from controlplane.store import claiming, credentials, leases, queue, sessions
 
-PARTS = ("parked", "pending", "reaper", "replicas")
+PARTS = ("parked", "pending", "ordering", "reaper", "replicas")
 PARKED = 10_000
 IDLE_SECONDS = 60.0
 PENDING = (1_000, 1_000_000)
 CLAIM_SAMPLES = 500
 CLAIM_CONNECTIONS = 8
+ORDERED_PENDING = 1_000_000
+PROJECTS = 1_000
+PRIORITIES = 5
+KEYS = 10_000
+KEY_LIMIT = 2
 STALE = 10_000
 REAPER_RUNNERS = 20
 REAPER_WINDOW = 15.0
@@ -63,6 +75,8 @@ REPLICA_JOBS = 3000
 WORKSPACES = 10
 SETTLE_SECONDS = 15.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# What a claim-latency run does, untimed, after each timed claim.
+AfterClaim = Callable[[asyncpg.Connection, SessionClaims, ClaimedJob], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -258,10 +272,19 @@ async def _fill_pending(conn: asyncpg.Connection, workspaces: list[uuid.UUID], r
     await conn.execute("VACUUM ANALYZE pending_jobs")
 
 
+async def _refill(conn: asyncpg.Connection, session: SessionClaims, _claimed: ClaimedJob) -> None:
+    await queue.enqueue(conn, [harness.new_job(session.workspace_id)])
+
+
 async def _timed_claims(
-    url: str, claimers: list[SessionClaims], connections: int, total: int
+    url: str,
+    claimers: list[SessionClaims],
+    connections: int,
+    total: int,
+    after: AfterClaim = _refill,
 ) -> list[float]:
-    """`total` claims over `connections` connections, each followed by an untimed refill."""
+    """`total` claims over `connections` connections, each followed by an untimed `after`
+    (by default a refill of one job)."""
     latencies: list[float] = []
 
     async def worker(offset: int) -> None:
@@ -274,7 +297,7 @@ async def _timed_claims(
                 latencies.append(time.perf_counter() - start)
                 if claimed is None:
                     raise RuntimeError("the queue ran dry")
-                await queue.enqueue(conn, [harness.new_job(session.workspace_id)])
+                await after(conn, session, claimed)
         finally:
             await conn.close()
 
@@ -282,6 +305,41 @@ async def _timed_claims(
         for offset in range(connections):
             group.start_soon(worker, offset)
     return latencies
+
+
+async def _claimers(conn: asyncpg.Connection, workspaces: list[uuid.UUID]) -> list[SessionClaims]:
+    """One manual `linux` session per workspace."""
+    claimers = []
+    for workspace in workspaces:
+        made = await sessions.create(
+            conn,
+            workspace_id=workspace,
+            registration_token_id=uuid.uuid4(),
+            kind="manual",
+            labels=("linux",),
+        )
+        claimers.append(SessionClaims(made.id, workspace, ("linux",), None))
+    return claimers
+
+
+async def _latencies(
+    url: str, claimers: list[SessionClaims], samples: int, after: AfterClaim = _refill
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Warm up, then `samples` timed claims on one connection and on CLAIM_CONNECTIONS."""
+    await _timed_claims(url, claimers, 1, 50, after)  # warm caches and prepared statements
+    one = harness.summary_ms(await _timed_claims(url, claimers, 1, samples, after))
+    many = harness.summary_ms(await _timed_claims(url, claimers, CLAIM_CONNECTIONS, samples, after))
+    return one, many
+
+
+def _ratios(top: dict[str, Any], bottom: dict[str, Any]) -> dict[str, dict[str, float]]:
+    return {
+        mode: {
+            quantile: round(top[mode][quantile] / bottom[mode][quantile], 2)
+            for quantile in ("p50_ms", "p99_ms")
+        }
+        for mode in ("one_connection", f"{CLAIM_CONNECTIONS}_connections")
+    }
 
 
 async def claim_latency(server: str, sizes: Sequence[int], samples: int) -> dict[str, Any]:
@@ -294,21 +352,7 @@ async def claim_latency(server: str, sizes: Sequence[int], samples: int) -> dict
             started = time.monotonic()
             await _fill_pending(conn, workspaces, size)
             filled_s = time.monotonic() - started
-            claimers = []
-            for workspace in workspaces:
-                made = await sessions.create(
-                    conn,
-                    workspace_id=workspace,
-                    registration_token_id=uuid.uuid4(),
-                    kind="manual",
-                    labels=("linux",),
-                )
-                claimers.append(SessionClaims(made.id, workspace, ("linux",), None))
-            await _timed_claims(url, claimers, 1, 50)  # warm caches and prepared statements
-            one = harness.summary_ms(await _timed_claims(url, claimers, 1, samples))
-            many = harness.summary_ms(
-                await _timed_claims(url, claimers, CLAIM_CONNECTIONS, samples)
-            )
+            one, many = await _latencies(url, await _claimers(conn, workspaces), samples)
             depth = await conn.fetchval("SELECT count(*) FROM pending_jobs")
         finally:
             await conn.close()
@@ -325,14 +369,117 @@ async def claim_latency(server: str, sizes: Sequence[int], samples: int) -> dict
             f"({CLAIM_CONNECTIONS} conns)"
         )
     smallest, deepest = (found["sizes"][str(size)] for size in (min(sizes), max(sizes)))
-    found["ratio_deepest_to_smallest"] = {
-        mode: {
-            quantile: round(deepest[mode][quantile] / smallest[mode][quantile], 2)
-            for quantile in ("p50_ms", "p99_ms")
-        }
-        for mode in ("one_connection", f"{CLAIM_CONNECTIONS}_connections")
-    }
+    found["ratio_deepest_to_smallest"] = _ratios(deepest, smallest)
     print(f"deepest / smallest: {found['ratio_deepest_to_smallest']}")
+    return found
+
+
+async def _fill_ordered(
+    conn: asyncpg.Connection,
+    workspaces: list[uuid.UUID],
+    projects: list[uuid.UUID],
+    rows: int,
+    policies: bool,
+) -> None:
+    """`rows` pending jobs round-robin over `workspaces` and `projects`; with `policies`, also
+    over PRIORITIES priorities and KEYS keys of limit KEY_LIMIT (with their count rows)."""
+    await conn.execute(
+        """
+        INSERT INTO pending_jobs (workspace_id, workflow_run_id, workflow_run_attempt_id, job_id,
+                                  job_execution_id, project_id, required_labels, payload,
+                                  created_at, priority, concurrency_key, concurrency_limit)
+        SELECT ($1::uuid[])[1 + g % cardinality($1::uuid[])], gen_random_uuid(),
+               gen_random_uuid(), gen_random_uuid(), gen_random_uuid(),
+               ($2::uuid[])[1 + g % cardinality($2::uuid[])],
+               ARRAY['linux'], '{}'::jsonb, $4::timestamptz + g * interval '1 microsecond',
+               CASE WHEN $5 THEN g % $6 - $6 / 2 ELSE 0 END,
+               CASE WHEN $5 THEN 'key-' || g % $7 END,
+               CASE WHEN $5 THEN $8::int END
+        FROM generate_series(0, $3 - 1) AS g
+        """,
+        workspaces,
+        projects,
+        rows,
+        datetime.now(UTC) - timedelta(hours=1),
+        policies,
+        PRIORITIES,
+        KEYS,
+        KEY_LIMIT,
+    )
+    await conn.execute(
+        """
+        INSERT INTO concurrency_keys (workspace_id, concurrency_key)
+        SELECT DISTINCT workspace_id, concurrency_key FROM pending_jobs
+        WHERE concurrency_key IS NOT NULL
+        """
+    )
+    await conn.execute("VACUUM ANALYZE pending_jobs")
+
+
+def _ordered_job(workspace: uuid.UUID, projects: list[uuid.UUID], policies: bool) -> NewJob:
+    job = harness.new_job(workspace)
+    if not policies:
+        return replace(job, identity=replace(job.identity, project_id=random.choice(projects)))
+    return replace(
+        job,
+        identity=replace(job.identity, project_id=random.choice(projects)),
+        priority=random.randrange(PRIORITIES) - PRIORITIES // 2,
+        concurrency_key=f"key-{random.randrange(KEYS)}",
+        concurrency_limit=KEY_LIMIT,
+    )
+
+
+def _complete_and_refill(projects: list[uuid.UUID], policies: bool) -> AfterClaim:
+    """After a timed claim: complete its lease (freeing its key's slot) and enqueue one job of
+    the same shape, so the depth and the keys' counts hold."""
+
+    async def after(conn: asyncpg.Connection, session: SessionClaims, claimed: ClaimedJob) -> None:
+        execution = claimed.identity.job_execution_id
+        await leases.complete(conn, execution, session.runner_session_id, Outcome.SUCCEEDED)
+        await queue.enqueue(conn, [_ordered_job(session.workspace_id, projects, policies)])
+
+    return after
+
+
+async def ordering_latency(server: str, depth: int, samples: int) -> dict[str, Any]:
+    """Claim latency at `depth` pending rows, plain FIFO against the ordering policies on."""
+    found: dict[str, Any] = {
+        "samples": samples,
+        "connections": CLAIM_CONNECTIONS,
+        "depth": depth,
+        "projects": PROJECTS,
+        "priorities": PRIORITIES,
+        "keys": KEYS,
+        "key_limit": KEY_LIMIT,
+        "variants": {},
+    }
+    for name, policies in (("plain_fifo", False), ("priority_and_keys", True)):
+        url = await harness.fresh_database(server)
+        conn = await asyncpg.connect(url)
+        try:
+            workspaces = [uuid.uuid4() for _ in range(WORKSPACES)]
+            projects = [uuid.uuid4() for _ in range(PROJECTS)]
+            started = time.monotonic()
+            await _fill_ordered(conn, workspaces, projects, depth, policies)
+            filled_s = time.monotonic() - started
+            after = _complete_and_refill(projects, policies)
+            one, many = await _latencies(url, await _claimers(conn, workspaces), samples, after)
+        finally:
+            await conn.close()
+            await harness.drop_database(url)
+        found["variants"][name] = {
+            "filled_in_s": round(filled_s, 1),
+            "one_connection": one,
+            f"{CLAIM_CONNECTIONS}_connections": many,
+        }
+        print(
+            f"{depth:>9} pending, {name}: claim p50 {one['p50_ms']} ms, p99 {one['p99_ms']} ms "
+            f"(1 conn); p50 {many['p50_ms']} ms, p99 {many['p99_ms']} ms "
+            f"({CLAIM_CONNECTIONS} conns)"
+        )
+    plain, ordered = found["variants"]["plain_fifo"], found["variants"]["priority_and_keys"]
+    found["ratio_policies_to_plain"] = _ratios(ordered, plain)
+    print(f"policies / plain: {found['ratio_policies_to_plain']}")
     return found
 
 
@@ -490,6 +637,7 @@ async def run(
     idle_seconds: float = IDLE_SECONDS,
     pending: Sequence[int] = PENDING,
     claim_samples: int = CLAIM_SAMPLES,
+    ordered_pending: int = ORDERED_PENDING,
     stale: int = STALE,
     reaper_window: float = REAPER_WINDOW,
     replicas: Sequence[int] = REPLICAS,
@@ -502,6 +650,8 @@ async def run(
             results["parked"] = await parked_idle(server, parked, idle_seconds)
         if "pending" in parts:
             results["pending"] = await claim_latency(server, pending, claim_samples)
+        if "ordering" in parts:
+            results["ordering"] = await ordering_latency(server, ordered_pending, claim_samples)
         if "reaper" in parts:
             results["reaper"] = await reaper_under_load(
                 server, stale, REAPER_RUNNERS, reaper_window
@@ -541,6 +691,7 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS)
     parser.add_argument("--pending", type=_sizes, default=list(PENDING))
     parser.add_argument("--claim-samples", type=int, default=CLAIM_SAMPLES)
+    parser.add_argument("--ordered-pending", type=int, default=ORDERED_PENDING)
     parser.add_argument("--stale", type=int, default=STALE)
     parser.add_argument("--reaper-window", type=float, default=REAPER_WINDOW)
     parser.add_argument("--replicas", type=_sizes, default=list(REPLICAS))
@@ -558,6 +709,7 @@ def main() -> None:
             args.idle_seconds,
             args.pending,
             args.claim_samples,
+            args.ordered_pending,
             args.stale,
             args.reaper_window,
             args.replicas,

@@ -53,6 +53,24 @@ class EmptyRequiredLabels(InvalidInput):
     code = "empty-required-labels"
 
 
+class PriorityOutOfRange(InvalidInput):
+    """a job's `priority` is outside `queue.priority_min`..`queue.priority_max`"""
+
+    code = "priority-out-of-range"
+
+
+class ConcurrencyLimitOutOfRange(InvalidInput):
+    """a job's `concurrency_limit` is above `queue.max_concurrency_limit`"""
+
+    code = "concurrency-limit-out-of-range"
+
+
+class ConcurrencyKeyIncomplete(InvalidInput):
+    """a job has a `concurrency_key` without a `concurrency_limit`, or a limit without a key"""
+
+    code = "concurrency-key-incomplete"
+
+
 class EmptyRunnerLabels(InvalidInput):
     """a runner offers no label once its labels are canonicalised"""
 

@@ -60,6 +60,10 @@ class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Queue(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_payload_bytes: Annotated[int, msgspec.Meta(ge=2, le=16 * 1024 * 1024)] = 64 * 1024
     max_batch_size: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 500
+    # A job's priority must lie in priority_min..priority_max (0 is the default and always in).
+    priority_min: Annotated[int, msgspec.Meta(ge=-1_000_000, le=0)] = -1000
+    priority_max: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1000
+    max_concurrency_limit: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
 
 
 class Runners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -93,6 +97,9 @@ class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     last_seen_throttle_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 10
     installation_enabled: bool = True
+    # An installation provisioner's walk gives each workspace at most an even share of its slots
+    # (issue 14's fair share) instead of serving the oldest demand first with all of them.
+    installation_fair_share: bool = False
     reservation_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 60
     reservation_ttl_max_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 600
     demand_safety_tick_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=600)] = 2.0

@@ -28,6 +28,9 @@ def new_job(
     job_id: UUID | None = None,
     execution_id: UUID | None = None,
     payload: dict[str, Any] | None = None,
+    project_id: UUID | None = None,
+    priority: int = 0,
+    key: tuple[str, int] | None = None,  # (concurrency_key, concurrency_limit)
 ) -> NewJob:
     return NewJob(
         identity=JobIdentity(
@@ -36,11 +39,14 @@ def new_job(
             workflow_run_attempt_id=uuid.uuid4(),
             job_id=job_id or uuid.uuid4(),
             job_execution_id=execution_id or uuid.uuid4(),
-            project_id=uuid.uuid4(),
+            project_id=project_id or uuid.uuid4(),
         ),
         required_labels=canonicalise(labels or ["linux"]),
         queued_at=queued_at or datetime.now(UTC),
         payload=payload or {},
+        priority=priority,
+        concurrency_key=None if key is None else key[0],
+        concurrency_limit=None if key is None else key[1],
     )
 
 

@@ -6,14 +6,14 @@ for them, so claims for one workspace never interleave within a replica.
 
 Wake-ups, each coalesced into the actor's pending *hint* (the label sets of new work, or "all"):
 * a NOTIFY on `cp_enqueued` from any replica (payload: workspace and the job's labels), delivered by
-  the listener after the enqueue committed;
+  the listener after the enqueue committed, or after a keyed lease ended (its key's waiting jobs);
 * a new waiter (it is tried at once, alone);
 * a safety tick while waiters are parked, for notifications lost while the listener reconnected;
   after a reconnect the listener also wakes every actor.
 
 A pass walks the waiters in arrival order and claims for them. A run of consecutive uncapped
-waiters with the same labels is served by one batch claim (one statement pairs the k-th oldest
-compatible job with the k-th waiter: the same FIFO outcome as claiming for each in turn, in one
+waiters with the same labels is served by one batch claim (one statement pairs the k-th job in
+the workspace's order with the k-th waiter: the same outcome as claiming for each in turn, in one
 round trip instead of k); capped waiters (one-job runners) are claimed for one at a time. A waiter
 whose labels cannot match the hint is not tried; once a claim for label set L finds nothing, no
 waiter whose labels are a subset of L is tried again (it could only find less) until a wake-up

@@ -14,7 +14,7 @@ import msgspec
 
 from controlplane.agent import api
 from controlplane.agent.queue_client import call, decode, provisioner_pages, table, when
-from controlplane.wire.admin import ActiveRunners
+from controlplane.wire.admin import ActiveRunners, WorkspaceSettingsOut
 from controlplane.wire.jobs import JobCancelled, JobDetail, JobList, JobOut
 
 T = TypeVar("T")
@@ -31,11 +31,19 @@ def _say(text: str) -> None:
 
 
 async def _ask(
-    url: str, key: str, method: str, path: str, kind: type[T], params: dict[str, str] | None = None
+    url: str,
+    key: str,
+    method: str,
+    path: str,
+    kind: type[T],
+    params: dict[str, str] | None = None,
+    body: dict[str, Any] | None = None,
 ) -> T:
     """One admin request, its answer decoded as `kind`."""
+    extra: dict[str, Any] = {} if body is None else {"json": body}
     async with api.client(url) as http:
-        return decode(await call(http, method, path, headers=api.bearer(key), params=params), kind)
+        answer = await call(http, method, path, headers=api.bearer(key), params=params, **extra)
+        return decode(answer, kind)
 
 
 def _labels(labels: Sequence[str] | None) -> str:
@@ -152,6 +160,19 @@ async def jobs_cancel(url: str, key: str, execution: UUID, *, as_json: bool) -> 
         _say(f"cancelled {execution}; its runner is told to stop")
     else:
         _say(f"cancelled {execution}")
+    return 0
+
+
+async def workspace_settings(
+    url: str, key: str, workspace: UUID, *, ordering: str, as_json: bool
+) -> int:
+    path = f"/v1/admin/workspaces/{workspace}/settings"
+    done = await _ask(url, key, "PUT", path, WorkspaceSettingsOut, body={"ordering": ordering})
+    if as_json:
+        _json(done)
+    else:
+        change = "set" if done.changed else "already set"
+        _say(f"workspace {workspace}: ordering {done.ordering} ({change})")
     return 0
 
 

@@ -7,7 +7,7 @@ import shlex
 import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TypeVar
 from uuid import UUID
@@ -30,8 +30,14 @@ T = TypeVar("T")
 
 
 def enqueue_body(
-    workspace: UUID, labels: Sequence[str], command: Sequence[str], now: datetime
+    workspace: UUID,
+    labels: Sequence[str],
+    command: Sequence[str],
+    now: datetime,
+    fields: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
+    """One job running `command`, with fresh ids; `fields` adds or replaces job fields
+    (`project_id`, `priority`, `concurrency_key`, `concurrency_limit`)."""
     return {
         "jobs": [
             {
@@ -44,6 +50,7 @@ def enqueue_body(
                 "required_labels": list(labels),
                 "queued_at": now.isoformat(),
                 "payload": {"script": shlex.join(command)},
+                **(fields or {}),
             }
         ]
     }
@@ -76,12 +83,13 @@ async def enqueue(
     wait: bool,
     give_up_after: float,
     cancel_on_interrupt: bool = False,
+    fields: Mapping[str, object] | None = None,
 ) -> int:
     """Print the new execution's id. With `wait`, follow it to its end, print the end of its
     output and its outcome, and exit as the job did: its exit code when it has one, else 0 for
     success and 1 otherwise; 2 when we gave up waiting. Ctrl-C while waiting leaves the job
     running (and says how to cancel it), or cancels it with `cancel_on_interrupt`."""
-    body = enqueue_body(workspace, labels, command, datetime.now(UTC))
+    body = enqueue_body(workspace, labels, command, datetime.now(UTC), fields)
     async with api.client(url) as http:
         headers = api.bearer(key)
         if not wait:

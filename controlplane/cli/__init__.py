@@ -148,6 +148,16 @@ example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait --
         metavar="S",
         help="with --wait, give up after S seconds (exit 2); default 0: no limit",
     )
+    enqueue.add_argument(
+        "--project", type=UUID, help="project id (UUID; fair share counts by it); default: new"
+    )
+    enqueue.add_argument(
+        "--priority", type=int, help="higher runs first (queue.priority_min..priority_max); 0"
+    )
+    enqueue.add_argument(
+        "--concurrency-key", help="at most --concurrency-limit jobs with this key run at once"
+    )
+    enqueue.add_argument("--concurrency-limit", type=int, help="the key's limit (1 or more)")
     enqueue.add_argument("command", nargs="*", help="the command and its arguments, after --")
     enqueue.set_defaults(client="clients:_cmd_enqueue")
 
@@ -271,6 +281,23 @@ examples:
     _admin_options(cancel, url_help)
     cancel.add_argument("id", type=UUID, help="the job execution id")
     cancel.set_defaults(client="clients:_cmd_jobs_cancel")
+
+    workspaces = commands.add_parser(
+        "workspaces",
+        help="set a workspace's settings",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+A workspace's settings. `ordering`: fifo (the default: priority, then age) or fair (the project
+with the fewest running executions first, then priority, then age).
+
+example: controlplane workspaces settings 59ef630e-144a-4ff9-abbe-69642a043207 --ordering fair""",
+    )
+    workspace_actions = workspaces.add_subparsers(dest="action", required=True, metavar="ACTION")
+    settings = workspace_actions.add_parser("settings", help="set the workspace's queue ordering")
+    _admin_options(settings, url_help)
+    settings.add_argument("workspace", type=UUID, help="the workspace id")
+    settings.add_argument("--ordering", required=True, choices=["fifo", "fair"])
+    settings.set_defaults(client="clients:_cmd_workspaces_settings")
 
     runners = commands.add_parser("runners", help="list runners seen recently")
     runner_actions = runners.add_subparsers(dest="action", required=True, metavar="ACTION")

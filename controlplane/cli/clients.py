@@ -70,6 +70,13 @@ def _cmd_enqueue(args: argparse.Namespace) -> int:
     if not args.command:
         raise InvalidInput("give the command to run after --")
     labels = _labels(args.labels)
+    given = {
+        "project_id": None if args.project is None else str(args.project),
+        "priority": args.priority,
+        "concurrency_key": args.concurrency_key,
+        "concurrency_limit": args.concurrency_limit,
+    }
+    fields = {name: value for name, value in given.items() if value is not None}
     return anyio.run(
         lambda: queue_client.enqueue(
             args.url,
@@ -80,6 +87,7 @@ def _cmd_enqueue(args: argparse.Namespace) -> int:
             wait=args.wait,
             give_up_after=args.timeout,
             cancel_on_interrupt=args.cancel_on_interrupt,
+            fields=fields,
         )
     )
 
@@ -146,6 +154,17 @@ def _cmd_jobs_cancel(args: argparse.Namespace) -> int:
 
     key = _admin_key(args)
     return anyio.run(lambda: admin_client.jobs_cancel(args.url, key, args.id, as_json=args.json))
+
+
+def _cmd_workspaces_settings(args: argparse.Namespace) -> int:
+    from controlplane.agent import admin_client
+
+    key = _admin_key(args)
+    return anyio.run(
+        lambda: admin_client.workspace_settings(
+            args.url, key, args.workspace, ordering=args.ordering, as_json=args.json
+        )
+    )
 
 
 def _cmd_runners_list(args: argparse.Namespace) -> int:

@@ -396,3 +396,20 @@ def warm_pool_launches(
         if count > 0:
             launches.append(WarmLaunch(template.key, template.labels, count))
     return tuple(launches)
+
+
+def walk_capacity(templates: Sequence[Template], budget: int) -> int:
+    """What an installation provisioner's walk can hand out this round: its budget, and no more
+    than the slots it advertised when it advertised any (binding idle runners takes no slot, so
+    a provisioner with no free slot still has its budget to bind with)."""
+    slots = sum(t.available_slots for t in templates)
+    return min(budget, slots) if slots > 0 else budget
+
+
+def walk_share(capacity: int, workspaces_left: int) -> int:
+    """The most the next workspace of a walk may take: an even share, rounded up, of what the
+    walk has left among the workspaces still to visit (fair share across workspaces: the
+    oldest-demand workspace goes first, but cannot take what the others' shares hold)."""
+    if workspaces_left <= 0 or capacity <= 0:
+        return 0
+    return -(-capacity // workspaces_left)

@@ -57,6 +57,9 @@ class NewJob:
     required_labels: LabelSet
     queued_at: datetime
     payload: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0  # higher first, FIFO within a priority (store/ordering.py)
+    concurrency_key: str | None = None  # at most concurrency_limit of the key run at once
+    concurrency_limit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Claims: a runner session takes the oldest compatible pending execution (`claim`), the
+"""Claims: a runner session takes the first claimable pending execution (`claim`), the
 dispatcher hands one to each of many parked sessions at once (`claim_batch`), and a parked
 runner's poll stamps its session's liveness (`touch_session`, `touch_sessions`).
 
@@ -21,7 +21,7 @@ from controlplane.domain.jobs import (
 )
 from controlplane.domain.labels import LabelSet
 from controlplane.errors import RunnerSessionExhausted
-from controlplane.store import activations, locks
+from controlplane.store import activations, ordering
 from controlplane.store.pool import Conn
 from controlplane.store.records import IDENTITY_COLUMNS, identity, json_value
 
@@ -29,9 +29,9 @@ from controlplane.store.records import IDENTITY_COLUMNS, identity, json_value
 # when another transaction holds its execution lock (an enqueue replay, a reconcile, the reaper).
 MAX_BUSY_HEADS = 16
 
-_EXECUTION_TRY_LOCK = (
-    f"pg_try_advisory_xact_lock({locks.sql_key(locks.EXECUTION, 'p.job_execution_id')})"
-)
+# How many rows in all a batch claim steps over (busy heads, orphans, and keyed rows beyond
+# their key's free slots) before it gives up for this attempt.
+MAX_STEPPED_OVER = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +84,16 @@ async def claim(
     *,
     liveness_throttle: timedelta = timedelta(seconds=10),
 ) -> ClaimedJob | None:
-    """Claim the oldest compatible pending execution for `session`, or return None.
+    """Claim the first claimable pending execution for `session` in its workspace's order
+    (store/ordering.py: priority, then FIFO; or fair share), or return None.
 
     Locks, in order: for a provisioned runner's session not yet claimed with, the assignment
     locks of its reservations (see `activations.lock_first_claim`); the session row FOR
     UPDATE (capped sessions only; serialises claims by one session so the cap holds), then per
     candidate: the pending row FOR UPDATE SKIP LOCKED (a row
-    another claim holds is skipped), then a *try* of its execution lock. When the try fails the
+    another claim holds is skipped), then a *try* of its execution lock, then for a keyed job
+    its key row FOR UPDATE SKIP LOCKED (store/ordering.py; a key found full or held once the
+    row is locked steps over the candidate, as a busy head). When the try fails the
     head is busy (enqueue, reconcile, complete or reaper hold it): we step to the next compatible
     row, unlike the reference, which returned nothing. We never wait on an execution lock while
     holding a pending row, so no cycle with the transactions that wait for it (they take the
@@ -165,23 +168,21 @@ _LOGGED = f"""logged AS (
 )"""  # noqa: S608 -- interpolates an enum value only (EventType.CLAIMED)
 
 # One claim attempt in one statement. $1 workspace, $2 session labels, $3 rows stepped over,
-# $4 session, $5/$6 provisioned link, $7 liveness throttle, $8 capped.
+# $4 session, $5/$6 provisioned link, $7 liveness throttle, $8 capped. The candidate and its
+# admission are store/ordering.py's (priority, concurrency keys, fair share).
 _CLAIM = f"""
 WITH candidate AS MATERIALIZED (
-    SELECT p.id, {_EXECUTION_TRY_LOCK} AS locked
-    FROM (SELECT id, job_execution_id FROM pending_jobs
-          WHERE workspace_id = $1 AND required_labels <@ $2::text[]
-            AND NOT (id = ANY($3::uuid[]))
-          ORDER BY created_at, id
-          LIMIT 1
-          FOR UPDATE SKIP LOCKED) AS p
-), taken AS (
-    DELETE FROM pending_jobs WHERE id = (SELECT id FROM candidate WHERE locked)
-    RETURNING id, {IDENTITY_COLUMNS}, required_labels, payload, created_at
+    {ordering.candidates("1")}
+), {ordering.ADMISSION}, taken AS (
+    DELETE FROM pending_jobs WHERE id = (SELECT id FROM admitted)
+    RETURNING id, {IDENTITY_COLUMNS}, required_labels, payload, created_at,
+              {ordering.ORDERING_COLUMNS}
 ), leased AS (
     INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id, provisioner_id,
-        provider_runner_id, required_labels, runner_labels, payload, queued_at)
-    SELECT id, {IDENTITY_COLUMNS}, $4, $5, $6, required_labels, $2::text[], payload, created_at
+        provider_runner_id, required_labels, runner_labels, payload, queued_at,
+        {ordering.ORDERING_COLUMNS})
+    SELECT id, {IDENTITY_COLUMNS}, $4, $5, $6, required_labels, $2::text[], payload, created_at,
+           {ordering.ORDERING_COLUMNS}
     FROM taken
     ON CONFLICT (job_execution_id) DO NOTHING
     RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
@@ -199,7 +200,7 @@ SELECT c.id AS candidate, c.locked, (SELECT count(*) FROM logged) AS logged,
        l.workflow_run_attempt_id, l.job_id, l.job_execution_id, l.project_id, l.required_labels,
        l.payload::text AS payload, l.queued_at, l.started_at
 FROM (SELECT 1) AS one LEFT JOIN candidate c ON true LEFT JOIN leased l ON true
-"""  # noqa: S608 -- interpolates constants only: _EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED
+"""  # noqa: S608 -- interpolates constants only: store/ordering.py's SQL, IDENTITY_COLUMNS, _LOGGED
 
 
 async def _claim_attempts(
@@ -239,65 +240,69 @@ async def _claim_attempts(
     return None
 
 
+def _columns(alias: str, columns: str) -> str:
+    return ", ".join(f"{alias}.{c}" for c in columns.split(", "))
+
+
 # The most sessions one batch claim serves (bounds the statement and the locks it holds).
 MAX_BATCH = 100
 
 # Claims for several uncapped sessions with the same labels in one statement: the batch form of
-# _CLAIM, pairing the k-th oldest compatible row with the k-th session. $1 workspace, $2 the
-# sessions' labels, $3 rows stepped over, $4 the sessions in the order they are served.
-# Rows whose execution lock is busy are skipped (not taken), and an orphan row is deleted without
-# a lease; either leaves a session of the batch unserved, and the caller tries again with those
-# rows stepped over. No liveness touch: the dispatcher stamps parked sessions in batches.
+# _CLAIM, pairing the k-th admitted candidate (in the workspace's order) with the k-th session.
+# $1 workspace, $2 the sessions' labels, $3 rows stepped over, $4 the sessions in the order they
+# are served. Rows whose execution lock is busy are skipped (not taken), a keyed row beyond its
+# key's free slots is not admitted, and an orphan row is deleted without a lease; each leaves a
+# session of the batch unserved, and the caller tries again with those rows stepped over. No
+# liveness touch: the dispatcher stamps parked sessions in batches.
 _CLAIM_BATCH = f"""
 WITH wanted AS (
     SELECT session_id, ord FROM unnest($4::uuid[]) WITH ORDINALITY AS t(session_id, ord)
 ), candidate AS MATERIALIZED (
-    SELECT p.id, p.created_at, {_EXECUTION_TRY_LOCK} AS locked
-    FROM (SELECT id, job_execution_id, created_at FROM pending_jobs
-          WHERE workspace_id = $1 AND required_labels <@ $2::text[]
-            AND NOT (id = ANY($3::uuid[]))
-          ORDER BY created_at, id
-          LIMIT cardinality($4::uuid[])
-          FOR UPDATE SKIP LOCKED) AS p
-), chosen AS (
-    SELECT id, row_number() OVER (ORDER BY created_at, id) AS ord FROM candidate WHERE locked
-), taken AS (
-    DELETE FROM pending_jobs AS p USING chosen c WHERE p.id = c.id
-    RETURNING p.id, {", ".join(f"p.{c}" for c in IDENTITY_COLUMNS.split(", "))},
-              p.required_labels, p.payload, p.created_at, c.ord
+    {ordering.candidates("cardinality($4::uuid[])")}
+), {ordering.ADMISSION}, taken AS (
+    DELETE FROM pending_jobs AS p USING admitted c WHERE p.id = c.id
+    RETURNING p.id, {_columns("p", IDENTITY_COLUMNS)},
+              p.required_labels, p.payload, p.created_at,
+              {_columns("p", ordering.ORDERING_COLUMNS)}, c.ord
 ), leased AS (
     INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id,
-        required_labels, runner_labels, payload, queued_at)
-    SELECT t.id, {", ".join(f"t.{c}" for c in IDENTITY_COLUMNS.split(", "))}, w.session_id,
-           t.required_labels, $2::text[], t.payload, t.created_at
+        required_labels, runner_labels, payload, queued_at, {ordering.ORDERING_COLUMNS})
+    SELECT t.id, {_columns("t", IDENTITY_COLUMNS)}, w.session_id,
+           t.required_labels, $2::text[], t.payload, t.created_at,
+           {_columns("t", ordering.ORDERING_COLUMNS)}
     FROM taken t JOIN wanted w ON w.ord = t.ord
     ON CONFLICT (job_execution_id) DO NOTHING
     RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
               started_at
 ), {_LOGGED}
-SELECT c.id AS candidate, l.workspace_id, l.workflow_run_id, l.workflow_run_attempt_id,
+SELECT c.id AS candidate, c.locked, t.id IS NOT NULL AS admitted, l.workspace_id,
+       l.workflow_run_id, l.workflow_run_attempt_id,
        l.job_id, l.job_execution_id, l.project_id, l.runner_session_id, l.required_labels,
        l.payload::text AS payload, l.queued_at, l.started_at,
        (SELECT count(*) FROM logged) AS logged
 FROM candidate c LEFT JOIN taken t ON t.id = c.id
      LEFT JOIN leased l ON l.job_execution_id = t.job_execution_id
-"""  # noqa: S608 -- interpolates module constants only (_EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED)
+"""  # noqa: S608 -- interpolates module constants only (store/ordering.py, IDENTITY_COLUMNS, _LOGGED)
 
 
 async def claim_batch(
     conn: Conn, workspace_id: UUID, labels: LabelSet, session_ids: Sequence[UUID]
 ) -> dict[UUID, ClaimedJob]:
-    """Claim for several uncapped sessions of one workspace with the same `labels`: the oldest
-    compatible rows, the k-th oldest to the k-th session. Returns the claims by session; a
-    session without one found nothing (the queue has fewer compatible rows than sessions).
+    """Claim for several uncapped sessions of one workspace with the same `labels`: the first
+    claimable rows in the workspace's order, the k-th to the k-th session. Returns the claims by
+    session; a session without one found nothing (the queue has fewer claimable rows than
+    sessions).
 
     Same locks and order as `claim`'s attempt, for up to `MAX_BATCH` rows at once: the pending
-    rows FOR UPDATE SKIP LOCKED, then a try of each one's execution lock; a row whose lock is
-    busy (or an orphan) is stepped over and the unserved sessions try again, at most
-    `MAX_BUSY_HEADS` rows stepped over in all, as for one session. Each round is one
-    autocommitted statement, so when a retry round fails the claims of the rounds before it
-    (committed) are returned rather than lost to an exception. Capped and provisioned sessions
-    must use `claim` (their cap and reservation unit are per session).
+    rows FOR UPDATE SKIP LOCKED, then a try of each one's execution lock, then the key rows of
+    the keyed ones in key order, SKIP LOCKED (store/ordering.py). A row whose lock is busy (or
+    an orphan) is stepped over and the unserved sessions try again, at most `MAX_BUSY_HEADS`
+    such rows, as for one session; a keyed row its key could not admit is stepped over too,
+    against the larger `MAX_STEPPED_OVER`, so a run of one key's jobs never hides the jobs
+    behind it. Each round is one autocommitted statement, so when a retry round fails the
+    claims of the rounds before it (committed) are returned rather than lost to an exception.
+    Capped and provisioned sessions must use `claim` (their cap and reservation unit are per
+    session).
     """
     waiting = list(session_ids)
     if len(waiting) > MAX_BATCH or len(set(waiting)) != len(waiting):
@@ -308,7 +313,8 @@ async def claim_batch(
         return {}
     claimed: dict[UUID, ClaimedJob] = {}
     stepped_over: list[UUID] = []
-    while waiting and len(stepped_over) <= MAX_BUSY_HEADS:
+    busy = 0  # rows stepped over because their lock was busy or they were orphans
+    while waiting and busy <= MAX_BUSY_HEADS and len(stepped_over) <= MAX_STEPPED_OVER:
         try:
             rows = await conn.fetch(_CLAIM_BATCH, workspace_id, list(labels), stepped_over, waiting)
         except Exception:
@@ -318,6 +324,9 @@ async def claim_batch(
         for row in rows:
             if row["job_execution_id"] is None:
                 stepped_over.append(row["candidate"])
+                # A row its key did not admit (the key had fewer free slots than the batch had
+                # rows of it) is no busy head: the budget for those is MAX_STEPPED_OVER.
+                busy += row["admitted"] or not row["locked"]
                 continue
             claimed[row["runner_session_id"]] = ClaimedJob(
                 identity=identity(row),

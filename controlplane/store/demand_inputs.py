@@ -80,20 +80,50 @@ async def replace_templates(
 
 # --- reading the allocation inputs -----------------------------------------------------------
 
+# The pending jobs of workspace $1 that could start now: every unkeyed one, and of each
+# concurrency key only the first `limit - running` in claim order (store/ordering.py); a full
+# key's waiting jobs are no demand for a provisioner, whatever it launched could not take them.
+_STARTABLE = """
+    SELECT required_labels, created_at FROM pending_jobs
+     WHERE workspace_id = $1 AND concurrency_key IS NULL
+    UNION ALL
+    SELECT required_labels, created_at FROM (
+        SELECT p.required_labels, p.created_at, p.concurrency_limit - k.running AS room,
+               row_number() OVER (PARTITION BY p.concurrency_key
+                                  ORDER BY p.priority DESC, p.created_at, p.id) AS nth
+          FROM pending_jobs p
+          JOIN concurrency_keys k
+            ON k.workspace_id = p.workspace_id AND k.concurrency_key = p.concurrency_key
+         WHERE p.workspace_id = $1 AND p.concurrency_key IS NOT NULL) AS keyed
+     WHERE nth <= room"""
+
+
+async def startable_demand(conn: Conn, workspace_id: UUID) -> list[DemandGroup]:
+    """The workspace's demand groups of jobs that could start now (`_STARTABLE`)."""
+    rows = await conn.fetch(
+        f"""
+        SELECT required_labels, count(*)::int AS count, min(created_at) AS at
+          FROM ({_STARTABLE}) AS d GROUP BY required_labels
+        """,  # noqa: S608 -- interpolates constants only: _STARTABLE
+        workspace_id,
+    )
+    return [DemandGroup(tuple(r["required_labels"]), r["count"], r["at"]) for r in rows]
+
 
 async def _demand_and_reservations(
     conn: Conn, workspace_id: UUID
 ) -> tuple[list[DemandGroup], list[Reservation]]:
-    """The workspace's demand groups and all its reservations, read by one statement."""
+    """The workspace's demand groups (jobs that could start now) and all its reservations, read
+    by one statement."""
     rows = await conn.fetch(
-        """
+        f"""
         SELECT 'demand' AS what, NULL::uuid AS id, NULL::uuid AS provisioner_id,
                required_labels, count(*)::int AS count, min(created_at) AS at, NULL::text AS kind
-          FROM pending_jobs WHERE workspace_id = $1 GROUP BY required_labels
+          FROM ({_STARTABLE}) AS d GROUP BY required_labels
         UNION ALL
         SELECT 'reservation', id, provisioner_id, required_labels, count, expires_at, kind
           FROM reservations WHERE workspace_id = $1
-        """,
+        """,  # noqa: S608 -- interpolates constants only: _STARTABLE
         workspace_id,
     )
     demand = [

@@ -55,6 +55,7 @@ class RoundTerms:
     activation_grace: timedelta
     activation_timeout: timedelta | None
     covering_window: timedelta | None
+    fair_share: bool = False  # an installation walk caps each workspace at its even share
 
 
 class SessionStore:

@@ -33,6 +33,7 @@ from controlplane.domain.jobs import (
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.errors import EmptyRequiredLabels
 from controlplane.store import events, locks
+from controlplane.store.ordering import ORDERING_COLUMNS
 from controlplane.store.pool import Conn
 from controlplane.store.records import IDENTITY_COLUMNS, identity, json_text
 
@@ -82,8 +83,9 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
             WITH input AS (
                 SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[],
                                      $6::uuid[], $7::text[], $8::text[], $9::timestamptz[],
-                                     $10::text[])
-                     AS t(ws, run, attempt, job, ex, project, labels, body, queued, wake)
+                                     $10::text[], $12::integer[], $13::text[], $14::integer[])
+                     AS t(ws, run, attempt, job, ex, project, labels, body, queued, wake,
+                          priority, ckey, climit)
             ), running AS (
                 SELECT job_execution_id AS ex FROM running_jobs
                 WHERE job_execution_id IN (SELECT ex FROM input)
@@ -92,13 +94,21 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
                 WHERE job_execution_id IN (SELECT ex FROM input)
             ), inserted AS (
                 INSERT INTO pending_jobs (workspace_id, workflow_run_id, workflow_run_attempt_id,
-                    job_id, job_execution_id, project_id, required_labels, payload, created_at)
+                    job_id, job_execution_id, project_id, required_labels, payload, created_at,
+                    priority, concurrency_key, concurrency_limit)
                 SELECT ws, run, attempt, job, ex, project,
-                       ARRAY(SELECT jsonb_array_elements_text(labels::jsonb)), body::jsonb, queued
+                       ARRAY(SELECT jsonb_array_elements_text(labels::jsonb)), body::jsonb, queued,
+                       priority, ckey, climit
                 FROM input
                 WHERE ex NOT IN (SELECT ex FROM running) AND ex NOT IN (SELECT ex FROM ended)
                 ON CONFLICT (job_execution_id) DO NOTHING
                 RETURNING job_execution_id
+            ), keyed AS (
+                -- The count row of each key (store/ordering.py); an existing one is not locked.
+                INSERT INTO concurrency_keys (workspace_id, concurrency_key)
+                SELECT DISTINCT ws, ckey FROM input WHERE ckey IS NOT NULL
+                ORDER BY 1, 2
+                ON CONFLICT DO NOTHING
             ), woken AS (
                 SELECT count(pg_notify($11, wake)) AS n
                 FROM (SELECT DISTINCT input.wake FROM inserted
@@ -120,6 +130,9 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
             [j.queued_at for j in todo],
             [enqueued_payload(j.identity.workspace_id, j.required_labels) for j in todo],
             ENQUEUED_CHANNEL,
+            [j.priority for j in todo],
+            [j.concurrency_key for j in todo],
+            [j.concurrency_limit for j in todo],
         )
     assert row is not None
     inserted = set(row["inserted"])
@@ -155,8 +168,8 @@ async def put_back(conn: Conn, job_execution_id: UUID, runner_session_id: UUID) 
             WHERE job_execution_id = $1 AND runner_session_id = $2
               AND first_heartbeat_at IS NULL AND cancellation_requested_at IS NULL
             RETURNING pending_id, {IDENTITY_COLUMNS}, required_labels, payload::text AS payload,
-                      queued_at
-            """,  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS
+                      queued_at, {ORDERING_COLUMNS}
+            """,  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS, ORDERING_COLUMNS
             job_execution_id,
             runner_session_id,
         )
@@ -164,9 +177,10 @@ async def put_back(conn: Conn, job_execution_id: UUID, runner_session_id: UUID) 
             return False
         await conn.execute(
             f"""
-            INSERT INTO pending_jobs (id, {IDENTITY_COLUMNS}, required_labels, payload, created_at)
-            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10)
-            """,  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS
+            INSERT INTO pending_jobs (id, {IDENTITY_COLUMNS}, required_labels, payload, created_at,
+                                      {ORDERING_COLUMNS})
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12, $13)
+            """,  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS, ORDERING_COLUMNS
             row["pending_id"],
             row["workspace_id"],
             row["workflow_run_id"],
@@ -177,6 +191,9 @@ async def put_back(conn: Conn, job_execution_id: UUID, runner_session_id: UUID) 
             row["required_labels"],
             row["payload"],
             row["queued_at"],
+            row["priority"],
+            row["concurrency_key"],
+            row["concurrency_limit"],
         )
         await conn.execute(
             """

@@ -18,8 +18,10 @@ from controlplane.actors.feed import FeedWatch
 from controlplane.domain.credentials import Credential
 from controlplane.domain.jobs import JobIdentity, NewJob, Outcome
 from controlplane.domain.labels import canonicalise
+from controlplane.domain.ordering import check_ordering
 from controlplane.domain.waiting import why_waiting
 from controlplane.errors import InvalidInput, NotFound, PayloadTooLarge
+from controlplane.settings import Queue as QueueSettings
 from controlplane.settings import Settings
 from controlplane.store import events, executions, job_views, leases, queue
 from controlplane.web import auth, jobs
@@ -68,7 +70,17 @@ def _event_cursor(raw: str | None) -> tuple[int, int]:
     return (xid, seq)
 
 
-def _new_job(job: wire.EnqueueJob, max_payload: int, index: int) -> NewJob:
+def _new_job(job: wire.EnqueueJob, limits: QueueSettings, index: int) -> NewJob:
+    max_payload = limits.max_payload_bytes
+    check_ordering(
+        index,
+        job.priority,
+        job.concurrency_key,
+        job.concurrency_limit,
+        priority_min=limits.priority_min,
+        priority_max=limits.priority_max,
+        max_limit=limits.max_concurrency_limit,
+    )
     if len(job.payload) > max_payload:
         raise PayloadTooLarge(
             f"jobs[{index}].payload exceeds {max_payload} bytes", index=index, limit=max_payload
@@ -89,6 +101,9 @@ def _new_job(job: wire.EnqueueJob, max_payload: int, index: int) -> NewJob:
         required_labels=canonicalise(job.required_labels),
         queued_at=job.queued_at,
         payload=payload,
+        priority=job.priority,
+        concurrency_key=job.concurrency_key,
+        concurrency_limit=job.concurrency_limit,
     )
 
 
@@ -98,7 +113,7 @@ def _new_job(job: wire.EnqueueJob, max_payload: int, index: int) -> NewJob:
         OAK,
         wire.EnqueueRequest,
         wire.EnqueueResponse,
-        "forbidden",
+        "forbidden priority-out-of-range concurrency-key-incomplete concurrency-limit-out-of-range",
         notes=f"At most queue.max_batch_size (default {KNOBS.queue.max_batch_size}) jobs; "
         f"a payload is a JSON object of at most queue.max_payload_bytes (default "
         f"{KNOBS.queue.max_payload_bytes}) bytes. One result per job, in order.",
@@ -113,10 +128,7 @@ async def enqueue(svc: Deps, request: Request) -> Response:
         )
     for job in body.jobs:
         auth.require_workspace(key, job.workspace_id)
-    jobs = [
-        _new_job(job, svc.settings.queue.max_payload_bytes, index)
-        for index, job in enumerate(body.jobs)
-    ]
+    jobs = [_new_job(job, svc.settings.queue, index) for index, job in enumerate(body.jobs)]
     async with svc.pool.acquire() as conn:
         results = await queue.enqueue(conn, jobs)
     for result in results:

@@ -186,3 +186,13 @@ class ReservationGroup(Strict):
 
 class ReservationList(Strict):
     items: list[ReservationGroup]
+
+
+class WorkspaceSettingsIn(Strict):
+    ordering: Literal["fifo", "fair"]
+
+
+class WorkspaceSettingsOut(Strict):
+    workspace_id: UUID
+    ordering: Literal["fifo", "fair"]
+    changed: bool  # false when the workspace already had these settings (no event written)

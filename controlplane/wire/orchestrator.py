@@ -12,6 +12,15 @@ from controlplane.wire.common import Labels, Reason, Strict
 from controlplane.wire.jobs import WaitingOut
 
 AwareDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
+ConcurrencyKey = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=200,
+        pattern=r"^[^\x00-\x1f\x7f]*$",
+        description="Jobs of one workspace with the same key share its concurrency_limit.",
+    ),
+]
 
 
 class EnqueueJob(Strict):
@@ -31,6 +40,27 @@ class EnqueueJob(Strict):
             description="A JSON object of at most queue.max_payload_bytes bytes.",
         ),
     ] = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
+    priority: Annotated[
+        int,
+        msgspec.Meta(
+            ge=-1_000_000,
+            le=1_000_000,
+            description="Higher first; within queue.priority_min..queue.priority_max.",
+        ),
+    ] = 0
+    concurrency_key: ConcurrencyKey | None = None
+    concurrency_limit: (
+        Annotated[
+            int,
+            msgspec.Meta(
+                ge=1,
+                le=1_000_000,
+                description="At most this many executions of the key run at once in the "
+                "workspace; at most queue.max_concurrency_limit. Required with a key.",
+            ),
+        ]
+        | None
+    ) = None
 
 
 class EnqueueRequest(Strict):

@@ -686,6 +686,7 @@ async def install(
     eligible: Collection[UUID] | None = None,
     abort_at: int | None = None,
     outcome: RoundOutcome | None = None,
+    fair_share: bool = False,
 ) -> RoundOutcome:
     """The provisioner actor's installation walk, through its session's real store."""
     async with pool.acquire() as conn:
@@ -699,6 +700,7 @@ async def install(
         activation_grace=TTL,
         activation_timeout=None,
         covering_window=covering_window,
+        fair_share=fair_share,
     )
     if outcome is None:
         outcome = RoundOutcome(remaining=terms.templates)
@@ -741,6 +743,20 @@ async def test_p36_workspaces_are_served_oldest_demand_first_without_overselling
     assert result.remaining[0].available_slots == 0
     assert await stored(conn, youngest) == []
     assert [s.labels for r in result.rounds for s in r.allocation.stats] == [LINUX, LINUX]
+
+
+async def test_q38_a_fair_walk_gives_each_workspace_its_share_of_the_slots(
+    conn: Conn, pool: asyncpg.Pool, inst: Provisioner
+) -> None:
+    busy = await _older_demand(conn, LINUX, 10)  # oldest demand, and the most of it
+    small = await _older_demand(conn, LINUX, 1)
+    other = await _older_demand(conn, LINUX, 3)
+
+    result = await install(pool, inst, slots=6, eligible={busy, small, other}, fair_share=True)
+
+    # Shares of 6 among 3: busy 2; small takes 1 of its 2, so other may take 3 of the 3 left.
+    # Without fair share the busy workspace, oldest, would take all six (P-36).
+    assert [(g.workspace_id, g.count) for g in result.grants] == [(busy, 2), (small, 1), (other, 3)]
 
 
 async def test_p37_an_adopted_installation_runner_leaves_slots_for_the_next_workspace(

@@ -67,6 +67,7 @@ SESSION_LABELS: list[LabelSet] = [
 COMPLETE_OUTCOMES = [Outcome.SUCCEEDED, Outcome.FAILED, Outcome.CANCELLED]
 RECONCILE_OUTCOMES = [Outcome.CANCELLED, Outcome.SUCCEEDED]
 REAP_LIMITS = [1, 2, 100]
+KEYS: list[tuple[str, int] | None] = [("one", 1), ("two", 2), None, None]
 TERMINAL = ("job.completed", "job.cancelled", "job.lease_expired")
 # Who ended an execution decides its one terminal event.
 EVENT_FOR_ENDED_BY = {
@@ -288,8 +289,13 @@ class QueueMachine(RuleBasedStateMachine):
         self.unexpected.append(message)
 
     def _new_job(self, labels: LabelSet, offset: int) -> NewJob:
+        # Ordering (issue 14): three priorities, and one job in four under each of two keys.
         job = new_job(
-            self.workspace, list(labels), queued_at=self.base_time + timedelta(seconds=offset)
+            self.workspace,
+            list(labels),
+            queued_at=self.base_time + timedelta(seconds=offset),
+            priority=offset % 3 - 1,
+            key=KEYS[len(self.jobs) % len(KEYS)],
         )
         self.jobs.append(job)
         return job
@@ -483,6 +489,28 @@ class QueueMachine(RuleBasedStateMachine):
             net = row["claimed"] - self.requeued[row["id"]]
             assert row["claims_used"] == net, self._fail(
                 f"claims_used != claimed - requeued ({net})", row
+            )
+
+    @invariant()
+    def a_key_never_runs_over_its_limit(self) -> None:
+        rows = self._run(
+            self.db.fetch(
+                """
+                SELECT k.concurrency_key, k.running,
+                       (SELECT count(*) FROM running_jobs r
+                         WHERE r.workspace_id = k.workspace_id
+                           AND r.concurrency_key = k.concurrency_key) AS leases,
+                       (SELECT min(r.concurrency_limit) FROM running_jobs r
+                         WHERE r.workspace_id = k.workspace_id
+                           AND r.concurrency_key = k.concurrency_key) AS cap
+                FROM concurrency_keys k
+                """
+            )
+        )
+        for row in rows:
+            assert row["running"] == row["leases"], self._fail("key count != its leases", row)
+            assert row["cap"] is None or row["leases"] <= row["cap"], self._fail(
+                "key over its limit", row
             )
 
     @invariant()

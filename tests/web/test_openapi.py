@@ -155,6 +155,7 @@ async def test_routes_with_a_token_refuse_a_missing_one_as_documented(api: Api) 
                 continue
             url = path.replace("{job_execution_id}", str(uuid.uuid4()))
             url = url.replace("{id}", str(uuid.uuid4()))
+            url = url.replace("{workspace_id}", str(uuid.uuid4()))
             query, body = VALID_BEFORE_AUTH.get(path, ("", None))
             response = await api.http.request(method.upper(), url + query, json=body)
             assert response.status_code == 401, (method, path)
@@ -165,7 +166,7 @@ async def test_routes_with_a_token_refuse_a_missing_one_as_documented(api: Api) 
                 in documented["allOf"][1]["properties"]["error"]["properties"]["code"]["enum"]
             )
             checked += 1
-    assert checked == 32
+    assert checked == 33
 
 
 async def test_bearer_takes_exactly_one_space_as_documented(api: Api) -> None:

@@ -79,6 +79,7 @@ class Limits:
     reconcile_grace: timedelta
     ephemeral_ttl: timedelta
     reserved_labels: LabelSet
+    installation_fair_share: bool = False  # an installation walk shares slots across workspaces
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +302,7 @@ class ProvisionerActor:
             activation_grace=self.limits.activation_grace,
             activation_timeout=self.limits.activation_timeout,
             covering_window=self.limits.covering_window,
+            fair_share=self.limits.installation_fair_share,
         )
         if self.scope is Scope.WORKSPACE:
             assert self.provisioner.workspace_id is not None

@@ -23,7 +23,13 @@ from uuid import UUID
 
 from controlplane import metrics
 from controlplane.domain.assignment import Batch
-from controlplane.domain.demand import Reservation, Template, without_pending
+from controlplane.domain.demand import (
+    Reservation,
+    Template,
+    walk_capacity,
+    walk_share,
+    without_pending,
+)
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.reports import ReconcileOutcome, ReportOutcome, RunnerEvent
 from controlplane.domain.rounds import Grant, WorkspaceRound
@@ -164,17 +170,29 @@ async def installation_walk(
 ) -> None:
     """Spec 3.5: each workspace with pending jobs, oldest demand first, in its own fenced
     transaction, carrying the budget to the next; `outcome` records each as it commits.
-    `outcome.remaining` ends as the advertised templates less every launch unit still pending."""
+    `outcome.remaining` ends as the advertised templates less every launch unit still pending.
+
+    With `terms.fair_share` (`provisioners.installation_fair_share`, issue 14) a workspace may
+    take at most its even share of what is left (`walk_share`), so one busy workspace cannot
+    take every slot while others wait; what a workspace leaves unused passes to the ones after
+    it in this walk. Without it the oldest demand may take all (spec 3.5)."""
     budget = terms.max_reservations
-    for workspace_id in await store.demand_workspaces():
+    capacity = walk_capacity(terms.templates, budget)
+    workspaces = await store.demand_workspaces()
+    for index, workspace_id in enumerate(workspaces):
         if budget <= 0:
             break
-        result = await store.allocate_in_walk(workspace_id, replace(terms, max_reservations=budget))
+        cap = budget
+        if terms.fair_share:
+            cap = min(budget, walk_share(capacity, len(workspaces) - index))
+        result = await store.allocate_in_walk(workspace_id, replace(terms, max_reservations=cap))
         if result is None:
             outcome.skipped.append(workspace_id)
             continue
         outcome.record(result)
-        budget = result.allocation.remaining_max
+        used = cap - result.allocation.remaining_max
+        budget -= used
+        capacity -= used
     outcome.remaining = without_pending(terms.templates, await store.outstanding_grants())
 
 
