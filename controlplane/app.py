@@ -53,6 +53,7 @@ from controlplane.web import app as web_app
 from controlplane.web import server as http_server
 from controlplane.web.auth import Authenticator
 from controlplane.web.health import DatabaseProbe
+from controlplane.web.ui.pulse import Pulse
 
 log = logging.getLogger("controlplane.app")
 
@@ -157,8 +158,11 @@ async def migrate(url: str, settings: Settings) -> list[migrations.Migration]:
         await conn.close()
 
 
-def _on_enqueued(dispatcher: Dispatcher, demand: DemandBoard) -> Callable[[str], None]:
+def _on_enqueued(
+    dispatcher: Dispatcher, demand: DemandBoard, pulse: Pulse
+) -> Callable[[str], None]:
     def wake(payload: str) -> None:
+        pulse.poke()
         workspace, _, labels = payload.partition("|")
         try:
             workspace_id = UUID(workspace)
@@ -246,6 +250,7 @@ class Daemon:
         demand = DemandBoard()
         control = ControlSessions()
         assignments = AssignmentBoard()
+        pulse = Pulse()
 
         def reconnected() -> None:
             dispatcher.wake_all()
@@ -256,7 +261,7 @@ class Daemon:
         listener = Listener(
             connection,
             {
-                queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher, demand),
+                queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher, demand, pulse),
                 CANCEL_CHANNEL: _on_cancel(cancels, demand),
                 EVENTS_CHANNEL: lambda _payload: feed.poke(),
                 TAKEOVER_CHANNEL: control.notify,
@@ -278,6 +283,7 @@ class Daemon:
             demand=demand,
             assignments=assignments,
             closing=anyio.Event(),
+            pulse=pulse,
         )
         self.replica = replica
         maintain = settings.maintenance

@@ -45,6 +45,9 @@ from controlplane.web.errors import (
     handle_http_exception,
     handle_unexpected,
 )
+from controlplane.web.ui import app as ui
+from controlplane.web.ui.pulse import Pulse
+from controlplane.web.ui.sessions import Deps as PageDeps
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -67,6 +70,7 @@ class Replica:
     demand: DemandBoard
     assignments: AssignmentBoard
     closing: anyio.Event
+    pulse: Pulse  # the operator pages' live updates (web/ui/)
 
     def close(self) -> None:
         """Shutdown: release held heartbeats and event reads so they answer now."""
@@ -181,4 +185,8 @@ def build(replica: Replica | None) -> Starlette:
     )
     # Read by the edge's body decoding and the served OpenAPI document; handlers get theirs.
     app.state.settings = None if replica is None else replica.settings
+    if replica is not None:  # the operator pages answer where no API route does
+        r = replica
+        pages = PageDeps(r.settings, r.pool, r.feed, r.pulse, r.closing)
+        app.router.default = ui.beside(app.router.default, pages)
     return app
