@@ -47,8 +47,18 @@ class SignedIn:
 
 
 async def create(conn: Conn, api_key_id: UUID, ttl: timedelta) -> str:
-    """A new session for the admin key; returns the secret for the cookie. One insert, no lock
-    beyond the key row's share lock its foreign key takes."""
+    """A new session for the admin key; returns the secret for the cookie. First deletes the
+    key's sessions that ended a day ago or more (so a key's rows stay few without a maintenance
+    job). Locks: those rows (delete), then the key row's share lock the insert's foreign key
+    takes."""
+    await conn.execute(
+        """
+        DELETE FROM ui_sessions
+        WHERE api_key_id = $1
+          AND (expires_at < now() - interval '1 day' OR signed_out_at < now() - interval '1 day')
+        """,
+        api_key_id,
+    )
     raw, sha256 = new_secret()
     await conn.execute(
         """

@@ -22,7 +22,7 @@ _HIDDEN = re.compile(r'name="(pair|csrf)" value="([^"]+)"')
 
 
 def _hidden(html: str, name: str) -> str:
-    found = dict(_HIDDEN.findall(html))
+    found: dict[str, str] = dict(_HIDDEN.findall(html))
     return found[name]
 
 
@@ -35,9 +35,7 @@ async def browser(api: Api) -> AsyncIterator[httpx.AsyncClient]:
 async def sign_in(client: httpx.AsyncClient, key: str) -> httpx.Response:
     form = await client.get("/ui/sign-in")
     assert form.status_code == 200
-    return await client.post(
-        "/ui/sign-in", data={"pair": _hidden(form.text, "pair"), "key": key}
-    )
+    return await client.post("/ui/sign-in", data={"pair": _hidden(form.text, "pair"), "key": key})
 
 
 async def _events(db: asyncpg.Connection, kind: str) -> list[asyncpg.Record]:

@@ -17,7 +17,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from controlplane.errors import ControlPlaneError
 from controlplane.web.endpoints import bound
+from controlplane.web.errors import status_of
 from controlplane.web.ui import actions, live, pages, sessions
 from controlplane.web.ui.render import HERE, page
 from controlplane.web.ui.sessions import Deps
@@ -41,6 +43,13 @@ async def _error(request: Request, exc: Exception) -> Response:
         {"status": exc.status_code, "detail": exc.detail},
         exc.status_code,
     )
+
+
+async def _refusal(request: Request, exc: Exception) -> Response:
+    """One of our errors (the database unavailable, above all) as a page, with the API's status."""
+    assert isinstance(exc, ControlPlaneError)
+    status = status_of(exc)
+    return page(request, "error.html", None, {"status": status, "detail": exc.message}, status)
 
 
 def build(svc: Deps) -> Starlette:
@@ -69,7 +78,7 @@ def build(svc: Deps) -> Starlette:
             get("/live", live.stream),
             Mount(PREFIX + "/static", StaticFiles(directory=HERE / "static"), name="static"),
         ],
-        exception_handlers={HTTPException: _error},
+        exception_handlers={HTTPException: _error, ControlPlaneError: _refusal},
     )
 
 

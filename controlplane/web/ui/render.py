@@ -24,7 +24,9 @@ HEADERS = {
         "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
     ),
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    # same-origin, not no-referrer: with no-referrer a browser sends `Origin: null` on our own
+    # form posts, and sessions.py refuses those.
+    "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
 
