@@ -14,8 +14,10 @@ from datetime import timedelta
 import anyio
 import asyncpg
 import httpx
+import pytest
 
 from controlplane.store import credentials, ui_sessions
+from controlplane.web.ui import roles
 from tests.web.conftest import Api
 
 _HIDDEN = re.compile(r'name="(pair|csrf)" value="([^"]+)"')
@@ -217,3 +219,32 @@ async def test_the_live_stream_says_change_when_a_job_is_enqueued(api: Api) -> N
                 await api.enqueue(api.job([f"l{uuid.uuid4().hex[:8]}"]))
                 while (line := await anext(lines)) != "event: change":
                     assert line in ("", ": keepalive"), line
+
+
+async def test_an_operator_who_may_not_act_sees_no_buttons_and_gets_403(
+    api: Api, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every permission decision goes through roles.may_act: refused there, no page offers an
+    action and a form posted by hand is 403 (what an `observer` admin key will get)."""
+    monkeypatch.setattr(roles, "may_act", lambda _who: False)
+    job = api.job()
+    await api.enqueue(job)
+    async with browser(api) as client:
+        await sign_in(client, api.admin_key)
+        page = await client.get(f"/ui/jobs/{job['job_execution_id']}")
+        assert "Cancel this job" not in page.text and "read only" in page.text
+        credentials_page = await client.get("/ui/credentials")
+        assert "Revoke" not in credentials_page.text and 'action="/ui/credentials"' not in (
+            credentials_page.text
+        )
+        csrf = _hidden(page.text, "csrf")  # the sign-out form still carries it
+        cancel = await client.post(
+            f"/ui/jobs/{job['job_execution_id']}/cancel", data={"csrf": csrf}
+        )
+        assert cancel.status_code == 403
+        create = await client.post(
+            "/ui/credentials", data={"csrf": csrf, "family": "orchestrator", "name": "no"}
+        )
+        assert create.status_code == 403
+    assert await db.fetchval("SELECT count(*) FROM pending_jobs") == 1
+    assert await db.fetchval("SELECT count(*) FROM api_keys WHERE name = 'no'") == 0

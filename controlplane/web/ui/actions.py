@@ -19,8 +19,9 @@ from controlplane.domain.credential_rules import Family, NewCredential
 from controlplane.domain.jobs import Outcome
 from controlplane.errors import ControlPlaneError
 from controlplane.store import credentials, job_views, leases, ui_sessions
+from controlplane.web.ui import roles
 from controlplane.web.ui.render import page
-from controlplane.web.ui.roles import Principal, may_act
+from controlplane.web.ui.roles import Principal
 from controlplane.web.ui.sessions import Deps, checked_form, signed_in
 
 _NAME_MAX = 200
@@ -31,7 +32,7 @@ async def _acting(svc: Deps, request: Request) -> tuple[Principal, dict[str, str
     """The operator and their form, once the form is theirs and they may act."""
     who = await signed_in(svc, request)
     fields = await checked_form(svc, request, who)
-    if not may_act(who):
+    if not roles.may_act(who):
         raise HTTPException(403, "this admin key may only look")
     return who, fields
 

@@ -12,7 +12,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
-from controlplane.web.ui.roles import Principal, may_act
+from controlplane.web.ui import roles
+from controlplane.web.ui.roles import Principal
 
 HERE = Path(__file__).parent
 MASK = "••••••"
@@ -83,7 +84,7 @@ def page(
     """`template` rendered for the operator `who` (None: signed out), with the page headers."""
     html = _env.get_template(template).render(
         who=who,
-        may_act=who is not None and may_act(who),
+        may_act=who is not None and roles.may_act(who),
         path=request.url.path,
         **context,
     )
