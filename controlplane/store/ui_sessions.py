@@ -59,12 +59,17 @@ async def create(conn: Conn, api_key_id: UUID, ttl: timedelta) -> str:
         """,
         api_key_id,
     )
+    return await _insert_secret(conn, "ui_sessions", api_key_id, ttl)
+
+
+async def _insert_secret(conn: Conn, table: str, api_key_id: UUID, ttl: timedelta) -> str:
+    """A new row of `table` (a session or a link) for the key, lasting `ttl`; its secret."""
     raw, sha256 = new_secret()
     await conn.execute(
-        """
-        INSERT INTO ui_sessions (api_key_id, token_sha256, expires_at)
+        f"""
+        INSERT INTO {table} (api_key_id, token_sha256, expires_at)
         VALUES ($1, $2, now() + $3::interval)
-        """,
+        """,  # noqa: S608 -- interpolates constants only: ui_sessions or ui_sign_in_links
         api_key_id,
         sha256,
         ttl,
@@ -99,17 +104,7 @@ async def sign_out(conn: Conn, session_id: UUID) -> None:
 
 async def create_link(conn: Conn, api_key_id: UUID, ttl: timedelta) -> str:
     """A one-time sign-in link's secret for the admin key, usable once within `ttl`."""
-    raw, sha256 = new_secret()
-    await conn.execute(
-        """
-        INSERT INTO ui_sign_in_links (api_key_id, token_sha256, expires_at)
-        VALUES ($1, $2, now() + $3::interval)
-        """,
-        api_key_id,
-        sha256,
-        ttl,
-    )
-    return raw
+    return await _insert_secret(conn, "ui_sign_in_links", api_key_id, ttl)
 
 
 async def use_link(conn: Conn, raw: str) -> UUID | None:

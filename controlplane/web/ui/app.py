@@ -53,11 +53,11 @@ async def _refusal(request: Request, exc: Exception) -> Response:
 
 
 def build(svc: Deps) -> Starlette:
-    def get(path: str, handler: Handler) -> Route:
-        return Route(PREFIX + path, bound(handler, svc), methods=["GET"])
+    def get(path: str, handler: Handler, method: str = "GET") -> Route:
+        return Route(PREFIX + path, bound(handler, svc), methods=[method])
 
     def post(path: str, handler: Handler) -> Route:
-        return Route(PREFIX + path, bound(handler, svc), methods=["POST"])
+        return get(path, handler, "POST")
 
     return Starlette(
         routes=[

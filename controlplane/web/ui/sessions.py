@@ -139,17 +139,19 @@ async def checked_form(svc: Deps, request: Request, who: Principal) -> dict[str,
     return fields
 
 
-def _set_session(response: Response, request: Request, secret: str, ttl: int) -> None:
+def _strict_cookie(
+    response: Response, request: Request, name: str, value: str, seconds: int, path: str
+) -> None:
+    """A cookie scripts cannot read, never sent from another site, over TLS only when we are."""
     response.set_cookie(
-        SESSION_COOKIE,
-        secret,
-        max_age=ttl,
-        path="/",
+        name,
+        value,
+        max_age=seconds,
+        path=path,
         httponly=True,
         samesite="strict",
         secure=request.url.scheme == "https",
     )
-    response.delete_cookie(SIGN_IN_COOKIE, path="/ui/sign-in")
 
 
 async def _open_session(svc: Deps, request: Request, key: Credential, how: str) -> Response:
@@ -159,7 +161,8 @@ async def _open_session(svc: Deps, request: Request, key: Credential, how: str) 
         await ui_sessions.audit(conn, "signed_in", key, details={"how": how})
     svc.feed.poke()
     response = RedirectResponse("/ui/", status_code=303)
-    _set_session(response, request, secret, ttl)
+    _strict_cookie(response, request, SESSION_COOKIE, secret, ttl, "/")
+    response.delete_cookie(SIGN_IN_COOKIE, path="/ui/sign-in")
     return response
 
 
@@ -168,15 +171,7 @@ async def sign_in_form(svc: Deps, request: Request, problem: str | None = None) 
     response = page(
         request, "sign_in.html", None, {"pair": value, "problem": problem}, 401 if problem else 200
     )
-    response.set_cookie(
-        SIGN_IN_COOKIE,
-        value,
-        max_age=_SIGN_IN_COOKIE_SECONDS,
-        path="/ui/sign-in",
-        httponly=True,
-        samesite="strict",
-        secure=request.url.scheme == "https",
-    )
+    _strict_cookie(response, request, SIGN_IN_COOKIE, value, _SIGN_IN_COOKIE_SECONDS, "/ui/sign-in")
     return response
 
 
