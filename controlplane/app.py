@@ -53,6 +53,7 @@ from controlplane.web import app as web_app
 from controlplane.web import server as http_server
 from controlplane.web.auth import Authenticator
 from controlplane.web.health import DatabaseProbe
+from controlplane.web.ui.plots import QueueHistory
 from controlplane.web.ui.pulse import Pulse
 
 log = logging.getLogger("controlplane.app")
@@ -251,6 +252,11 @@ class Daemon:
         control = ControlSessions()
         assignments = AssignmentBoard()
         pulse = Pulse()
+        history = QueueHistory(
+            pool,
+            every_seconds=settings.pages.plot_sample_seconds,
+            workspaces=settings.pages.list_limit,
+        )
 
         def reconnected() -> None:
             dispatcher.wake_all()
@@ -284,6 +290,7 @@ class Daemon:
             assignments=assignments,
             closing=anyio.Event(),
             pulse=pulse,
+            history=history,
         )
         self.replica = replica
         maintain = settings.maintenance
@@ -352,6 +359,7 @@ class Daemon:
             await root.start(listener.run)
             await root.start(dispatcher.run)
             await root.start(feed.run)
+            await root.start(history.run)
             root.start_soon(maintenance.run)
             log.info("server.listening", extra={"address": self.address})
             if on_ready is not None:

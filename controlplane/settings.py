@@ -135,6 +135,7 @@ class Pages(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     live_keepalive_seconds: Annotated[float, msgspec.Meta(ge=1, le=300)] = 15.0
     live_min_interval_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=60)] = 0.5
     live_stream_max_seconds: Annotated[float, msgspec.Meta(ge=5, le=86_400)] = 300.0
+    plot_sample_seconds: Annotated[float, msgspec.Meta(ge=5, le=600)] = 30.0
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

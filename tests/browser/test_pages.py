@@ -130,7 +130,8 @@ async def test_two_replicas_live_updates_cancel_accessibility_and_no_secrets(
     workspace = uuid.uuid4()
     orchestrator, registration = await orchestrator_and_registration(database_url, workspace)
     admin = await _admin_key(database_url)
-    async with spawn_daemon() as a, spawn_daemon() as b:
+    plots = {"CONTROLPLANE_PAGES_PLOT_SAMPLE_SECONDS": "5"}  # for the overview's screenshot
+    async with spawn_daemon(**plots) as a, spawn_daemon() as b:
         context = await browser.new_context(viewport={"width": 1280, "height": 800})
         page = await context.new_page()
         pages_html: list[str] = []
@@ -190,6 +191,11 @@ async def test_two_replicas_live_updates_cancel_accessibility_and_no_secrets(
             await expect(page.locator("main")).to_contain_text("cancelled")
             pages_html.append(await page.content())
 
+        await page.goto(f"{a.address}/ui/")
+        with anyio.fail_after(20):  # A samples every 5 s: wait for one with the stuck job
+            while not await page.locator("svg.plot polyline").count():
+                await anyio.sleep(0.2)
+                await page.reload()
         for name, path in PAGES.items():
             await page.goto(f"{a.address}{path}")
             await expect(page.locator("h1")).to_be_visible()

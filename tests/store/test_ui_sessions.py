@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import hashlib
 from datetime import timedelta
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import anyio
 import asyncpg
 
-from controlplane.store import credentials, events, ui_sessions
+from controlplane.store import claiming, credentials, events, queue, ui_reads, ui_sessions
 from controlplane.store.pool import Conn
-from tests.factories import wait_until_blocked
+from tests.factories import manual_session, minutes_ago, new_job, wait_until_blocked
 
 TTL = timedelta(hours=1)
 
@@ -121,3 +121,22 @@ async def test_audit_entries_go_to_the_feed_without_a_secret(conn: Conn) -> None
         "api_key_name": "operator",
         "how": "admin key",
     }
+
+
+async def test_a_queue_sample_counts_pending_and_the_median_pickup_per_workspace(
+    conn: Conn,
+) -> None:
+    busy, quiet, other = uuid4(), uuid4(), uuid4()
+    await queue.enqueue(conn, [new_job(busy) for _ in range(3)] + [new_job(quiet)])
+    runner = await manual_session(conn, other)
+    for minutes in (1, 3, 20):  # queued that long ago, claimed now
+        await queue.enqueue(conn, [new_job(other, queued_at=minutes_ago(minutes))])
+        await claiming.claim(conn, runner)
+    at, found = await ui_reads.queue_sample(conn, timedelta(minutes=1), limit=10)
+    by_workspace = {sample.workspace_id: sample for sample in found}
+    assert [sample.workspace_id for sample in found][:2] == [busy, quiet]  # most pending first
+    assert (by_workspace[busy].pending, by_workspace[busy].pickup_seconds) == (3, None)
+    assert by_workspace[other].pending == 0
+    pickup = by_workspace[other].pickup_seconds
+    assert pickup is not None and 170 < pickup < 200  # the median: three minutes
+    assert at.tzinfo is not None

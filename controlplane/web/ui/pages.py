@@ -4,9 +4,10 @@ through the store's existing read models (the admin API's), and renders; none wr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
+from markupsafe import Markup
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -16,6 +17,7 @@ from controlplane.domain.labels import label_error
 from controlplane.domain.waiting import Waiting, why_waiting
 from controlplane.store import credentials, fleet, job_views, provisioners, queries, ui_reads
 from controlplane.web.jobs import TAKER_WINDOW
+from controlplane.web.ui.plots import chart
 from controlplane.web.ui.render import masked, page
 from controlplane.web.ui.sessions import Deps, signed_in
 
@@ -73,8 +75,28 @@ async def overview(svc: Deps, request: Request) -> Response:
         request,
         "overview.html",
         who,
-        {"rows": rows, "depth": depth, "runners": len(runners), "live": True},
+        {
+            "rows": rows,
+            "depth": depth,
+            "runners": len(runners),
+            "plots": _plots(svc),
+            "sample_seconds": svc.settings.pages.plot_sample_seconds,
+            "live": True,
+        },
     )
+
+
+def _plots(svc: Deps) -> list[tuple[UUID, Markup, Markup]]:
+    """Each sampled workspace's pending count and pickup latency over the last hour."""
+    now = datetime.now(UTC)
+    return [
+        (
+            workspace,
+            chart([(p.at, p.pending) for p in points], now, "Pending jobs", ""),
+            chart([(p.at, p.pickup_seconds) for p in points], now, "Pickup latency", "s"),
+        )
+        for workspace, points in svc.history.series()
+    ]
 
 
 def _uuid(raw: str | None, field: str) -> UUID | None:

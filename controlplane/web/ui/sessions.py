@@ -33,6 +33,7 @@ from controlplane.domain.credentials import Credential
 from controlplane.errors import ControlPlaneError
 from controlplane.settings import Settings
 from controlplane.store import credentials, ui_sessions
+from controlplane.web.ui.plots import QueueHistory
 from controlplane.web.ui.pulse import Pulse
 from controlplane.web.ui.render import page
 from controlplane.web.ui.roles import Principal
@@ -50,6 +51,7 @@ class Deps:
     feed: FeedWatch  # poked after an action adds to the event feed
     pulse: Pulse  # enqueues heard by this replica's listener
     closing: anyio.Event  # set at shutdown: live streams end
+    history: QueueHistory  # the overview's plots
 
 
 def csrf_of(secret: str) -> str:
