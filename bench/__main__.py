@@ -16,6 +16,7 @@ from bench import (
     demand,
     dispatch,
     limits,
+    pages,
     peers,
     report,
     scale,
@@ -37,6 +38,7 @@ EXPLICIT: dict[str, Bench] = {
     "peers": peers.run,
     "limits": limits.run,
     "compare": compare.run,
+    "pages": pages.run,
 }
 
 

@@ -53,6 +53,8 @@ from controlplane.web import app as web_app
 from controlplane.web import server as http_server
 from controlplane.web.auth import Authenticator
 from controlplane.web.health import DatabaseProbe
+from controlplane.web.ui.plots import QueueHistory
+from controlplane.web.ui.pulse import Pulse
 
 log = logging.getLogger("controlplane.app")
 
@@ -157,8 +159,11 @@ async def migrate(url: str, settings: Settings) -> list[migrations.Migration]:
         await conn.close()
 
 
-def _on_enqueued(dispatcher: Dispatcher, demand: DemandBoard) -> Callable[[str], None]:
+def _on_enqueued(
+    dispatcher: Dispatcher, demand: DemandBoard, pulse: Pulse
+) -> Callable[[str], None]:
     def wake(payload: str) -> None:
+        pulse.poke()
         workspace, _, labels = payload.partition("|")
         try:
             workspace_id = UUID(workspace)
@@ -246,6 +251,12 @@ class Daemon:
         demand = DemandBoard()
         control = ControlSessions()
         assignments = AssignmentBoard()
+        pulse = Pulse()
+        history = QueueHistory(
+            pool,
+            every_seconds=settings.pages.plot_sample_seconds,
+            workspaces=settings.pages.list_limit,
+        )
 
         def reconnected() -> None:
             dispatcher.wake_all()
@@ -256,7 +267,7 @@ class Daemon:
         listener = Listener(
             connection,
             {
-                queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher, demand),
+                queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher, demand, pulse),
                 CANCEL_CHANNEL: _on_cancel(cancels, demand),
                 EVENTS_CHANNEL: lambda _payload: feed.poke(),
                 TAKEOVER_CHANNEL: control.notify,
@@ -278,6 +289,8 @@ class Daemon:
             demand=demand,
             assignments=assignments,
             closing=anyio.Event(),
+            pulse=pulse,
+            history=history,
         )
         self.replica = replica
         maintain = settings.maintenance
@@ -346,6 +359,7 @@ class Daemon:
             await root.start(listener.run)
             await root.start(dispatcher.run)
             await root.start(feed.run)
+            await root.start(history.run)
             root.start_soon(maintenance.run)
             log.info("server.listening", extra={"address": self.address})
             if on_ready is not None:

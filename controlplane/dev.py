@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from controlplane.domain import tokens
 from controlplane.domain.credentials import Credential
 from controlplane.domain.provisioners import Provisioner
 from controlplane.settings import Settings
-from controlplane.store import credentials, provisioners
+from controlplane.store import credentials, provisioners, ui_sessions
 from controlplane.store.embedded import mask_password
 from controlplane.store.pool import connect
 
@@ -110,6 +110,18 @@ async def _credentials(config: Settings, url: str, env_file: Path) -> dict[str, 
     }
 
 
+async def _sign_in_link(config: Settings, url: str, admin_key: str) -> str:
+    """A one-time link that signs a browser in to the pages with dev's admin key."""
+    conn = await connect(app.pool_settings(config, url))
+    try:
+        key = await credentials.api_key_by_digest(conn, "admin", tokens.digest(admin_key))
+        assert key is not None  # made or checked by _credentials just now
+        ttl = timedelta(seconds=config.pages.sign_in_link_ttl_seconds)
+        return await ui_sessions.create_link(conn, key.id, ttl)
+    finally:
+        await conn.close()
+
+
 def _env_path(data_dir: Path) -> Path:
     return data_dir.resolve().parent / "dev.env"
 
@@ -144,6 +156,8 @@ async def _start(
         _write_env, Path(config.database.embedded_data_dir), values
     )
     state_file = env_file.parent / "provisioner.json"
+    link = await _sign_in_link(config, url, values["CONTROLPLANE_ADMIN_KEY"])
+    link_minutes = config.pages.sign_in_link_ttl_seconds // 60
     processes = [
         await anyio.open_process(
             [
@@ -171,6 +185,9 @@ async def _start(
     ]
     sys.stdout.write(
         f"controlplane dev\n"
+        f"  pages      {address}/ui/sign-in/{link}\n"
+        f"             (a one-time sign-in link, for {link_minutes} min; later, sign in at\n"
+        f"             {address}/ui/ with CONTROLPLANE_ADMIN_KEY from the secrets file)\n"
         f"  API        {address}  (docs: {address}/openapi.json)\n"
         f"  database   {mask_password(url)}\n"
         f"  workspace  {DEV_WORKSPACE}\n"

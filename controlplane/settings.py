@@ -132,6 +132,19 @@ class Health(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     refresh_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=60)] = 1.0
 
 
+class Pages(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The operator pages under /ui/ (controlplane/web/ui/)."""
+
+    session_ttl_seconds: Annotated[int, msgspec.Meta(ge=60, le=7 * 86_400)] = 8 * 3600
+    sign_in_link_ttl_seconds: Annotated[int, msgspec.Meta(ge=10, le=86_400)] = 600
+    list_limit: Annotated[int, msgspec.Meta(ge=10, le=1000)] = 100
+    form_max_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1_048_576)] = 16_384
+    live_keepalive_seconds: Annotated[float, msgspec.Meta(ge=1, le=300)] = 15.0
+    live_min_interval_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=60)] = 0.5
+    live_stream_max_seconds: Annotated[float, msgspec.Meta(ge=5, le=86_400)] = 300.0
+    plot_sample_seconds: Annotated[float, msgspec.Meta(ge=5, le=600)] = 30.0
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     database: Database = msgspec.field(default_factory=Database)
     server: Server = msgspec.field(default_factory=Server)
@@ -141,6 +154,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     provisioners: Provisioners = msgspec.field(default_factory=Provisioners)
     events: Events = msgspec.field(default_factory=Events)
     health: Health = msgspec.field(default_factory=Health)
+    pages: Pages = msgspec.field(default_factory=Pages)
 
     @property
     def reserved_labels(self) -> LabelSet:

@@ -46,6 +46,10 @@ from controlplane.web.errors import (
     handle_http_exception,
     handle_unexpected,
 )
+from controlplane.web.ui import app as ui
+from controlplane.web.ui.plots import QueueHistory
+from controlplane.web.ui.pulse import Pulse
+from controlplane.web.ui.sessions import Deps as PageDeps
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -68,6 +72,8 @@ class Replica:
     demand: DemandBoard
     assignments: AssignmentBoard
     closing: anyio.Event
+    pulse: Pulse  # the operator pages' live updates (web/ui/)
+    history: QueueHistory  # and their plots
 
     def close(self) -> None:
         """Shutdown: release held heartbeats and event reads so they answer now."""
@@ -183,4 +189,8 @@ def build(replica: Replica | None) -> Starlette:
     )
     # Read by the edge's body decoding and the served OpenAPI document; handlers get theirs.
     app.state.settings = None if replica is None else replica.settings
+    if replica is not None:  # the operator pages answer where no API route does
+        r = replica
+        pages = PageDeps(r.settings, r.pool, r.feed, r.pulse, r.closing, r.history)
+        app.router.default = ui.beside(app.router.default, pages)
     return app

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import anyio
 import asyncpg
+import httpx
 import msgspec
 import pytest
 
@@ -82,6 +83,15 @@ async def _the_readme_walkthrough(shell: dict[str, str]) -> None:
     assert "dev_local_provisioner" in out
 
 
+async def _the_sign_in_link_opens_the_pages(lines: list[str]) -> None:
+    (link,) = [line.split()[1] for line in lines if line.strip().startswith("pages ")]
+    async with httpx.AsyncClient(timeout=30) as browser:
+        signed_in = await browser.get(link)
+        assert signed_in.status_code == 303, signed_in.text
+        overview = await browser.get(link.split("/ui/")[0] + "/ui/")
+        assert overview.status_code == 200 and "Overview" in overview.text
+
+
 async def test_dev_runs_a_job_enqueued_from_another_shell(
     database_url: str, tmp_path: Path
 ) -> None:
@@ -115,6 +125,7 @@ async def test_dev_runs_a_job_enqueued_from_another_shell(
                 assert lines[-1], "dev exited early"
         env_file = tmp_path / "var" / "dev.env"
         assert oct(env_file.stat().st_mode & 0o777) == "0o600"
+        await _the_sign_in_link_opens_the_pages(lines)
         shell = {**os.environ, **_env_file_values(env_file)}
         await _the_readme_walkthrough(shell)
         dev.send_signal(signal.SIGINT)

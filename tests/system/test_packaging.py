@@ -70,6 +70,11 @@ async def test_a_wheel_installed_in_a_fresh_venv_migrates_and_serves(
     assert {f"controlplane/sql/{path.name}" for path in (ROOT / "sql").glob("*.sql")} <= names, (
         "the wheel lacks migrations"
     )
+    pages = ROOT / "controlplane" / "web" / "ui"
+    shipped = {
+        f"{p.relative_to(ROOT)}" for p in [*pages.glob("templates/*"), *pages.glob("static/*")]
+    }
+    assert shipped and shipped <= names, "the wheel lacks the operator pages' templates or files"
     command = _fresh_venv(tmp_path / "venv", wheel)
     # Run from an empty folder: no sql/ nearby, and the import must be the installed one.
     workdir = tmp_path / "elsewhere"
