@@ -351,17 +351,26 @@ def parser() -> argparse.ArgumentParser:
     tokens = commands.add_parser(
         "tokens",
         help="create, list or revoke credentials",
-        description="Orchestrator and admin API keys, manual runner registration tokens, and "
-        "provisioner tokens (--workspace for workspace scope, omitted for installation scope). "
+        description="Orchestrator, admin and workspace admin API keys, manual runner "
+        "registration tokens, and provisioner tokens (--workspace for workspace scope, omitted "
+        "for installation scope). "
         "A created token is printed once; only its SHA-256 is stored.",
     )
     actions = tokens.add_subparsers(dest="action", required=True, metavar="ACTION")
-    kinds = ["orchestrator", "admin", "registration", "provisioner"]
+    kinds = ["orchestrator", "admin", "workspace-admin", "registration", "provisioner"]
     create = actions.add_parser("create", help="create a credential and print it once")
     create.add_argument("kind", choices=kinds)
     create.add_argument("--name", required=True, help="a label for people (1-200 characters)")
-    create.add_argument("--workspace", type=UUID, help="scope to one workspace")
+    create.add_argument(
+        "--workspace", type=UUID, help="scope to one workspace (workspace-admin: required)"
+    )
     create.add_argument("--ttl", type=int, help="lifetime in seconds (default: no expiry)")
+    create.add_argument(
+        "--role",
+        choices=["owner", "observer"],
+        default="owner",
+        help="admin and workspace-admin keys: owner (default) or observer (read only)",
+    )
     listing = actions.add_parser("list", help="list credentials (never their secrets)")
     listing.add_argument("kind", choices=kinds)
     listing.add_argument("--workspace", type=UUID, help="registration tokens of one workspace")

@@ -17,7 +17,14 @@ import anyio
 import msgspec
 
 from controlplane import app, dev, settings
-from controlplane.domain.credential_rules import Family, NewCredential, lifetime, scope_problem
+from controlplane.domain.credential_rules import (
+    Family,
+    NewCredential,
+    lifetime,
+    role_problem,
+    scope_problem,
+)
+from controlplane.domain.credentials import Role
 from controlplane.errors import InvalidInput
 from controlplane.store import credentials
 from controlplane.store.pool import connect
@@ -105,7 +112,9 @@ def _checked_create(args: argparse.Namespace) -> None:
         elif args.kind == "provisioner":
             msgspec.convert(fields, provisioner_wire.CreateProvisionerToken)
         else:
-            msgspec.convert({**fields, "kind": args.kind}, admin_wire.CreateApiKey)
+            workspace = None if args.workspace is None else str(args.workspace)
+            key = {**fields, "kind": args.kind, "workspace_id": workspace, "role": args.role}
+            msgspec.convert(key, admin_wire.CreateApiKey)
     except msgspec.ValidationError as error:
         raise InvalidInput(f"invalid token request: {error}") from error
 
@@ -114,10 +123,13 @@ def _new_credential(args: argparse.Namespace) -> NewCredential:
     """What `tokens create` asks for, under the admin API's rules: the scope rule (in the
     command's words), then the body's field rules."""
     family = Family(args.kind)
+    role = Role(args.role)
     if problem := scope_problem(family, args.workspace, field="--workspace"):
         raise InvalidInput(problem)
+    if problem := role_problem(family, role, field="--role"):
+        raise InvalidInput(problem)
     _checked_create(args)
-    return NewCredential(family, args.name, args.workspace, lifetime(args.ttl))
+    return NewCredential(family, args.name, args.workspace, lifetime(args.ttl), role)
 
 
 def _cmd_tokens(config: settings.Settings, args: argparse.Namespace) -> None:

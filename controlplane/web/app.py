@@ -37,6 +37,7 @@ from controlplane.web import (
     provisioners,
     runner_control,
     runners,
+    workspaces,
 )
 from controlplane.web.auth import Authenticator, utc_now
 from controlplane.web.errors import (
@@ -140,6 +141,7 @@ def _routes(replica: Replica | None) -> list[BaseRoute]:
         ),
         *fleet.routes(given(lambda r: fleet.Deps(r.settings, r.pool, r.auth))),
         *admin.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
+        *workspaces.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
         *jobs.routes(given(lambda r: jobs.Deps(r.settings, r.pool, r.auth, r.feed))),
         *provisioners.routes(
             given(lambda r: provisioners.Deps(r.settings, r.pool, r.auth, r.keys))

@@ -37,6 +37,7 @@ from controlplane.web.edge import json_response
 from controlplane.web.errors import STATUS
 from controlplane.web.operations import (
     KNOBS,
+    ROLE_KEYS,
     SECURITY,
     TEXT,
     UUID_SCHEMA,
@@ -71,6 +72,8 @@ def codes(route: Route, op: Op) -> list[str]:
         found.update((*SECURITY[op.auth][1], "database-unavailable", "server-error"))
         for other in op.alternative_auth:
             found.update(SECURITY[other][1])
+        if {op.auth, *op.alternative_auth} & ROLE_KEYS and "GET" not in (route.methods or ()):
+            found.add("admin-key-read-only")  # an observer key asked for a change
     if op.body is not None:
         found.update(("validation-error", "payload-too-large"))
     if op.query is not None or route.param_convertors:
