@@ -377,7 +377,19 @@ def parser() -> argparse.ArgumentParser:
     revoke = actions.add_parser("revoke", help="revoke a credential (idempotent)")
     revoke.add_argument("kind", choices=kinds)
     revoke.add_argument("id", type=UUID)
+    eligible = actions.add_parser(
+        "eligibility",
+        help="show or set which workspaces an installation provisioner may serve",
+        description="Without an option, print the provisioner token's eligibility; --all, "
+        "--allow or --deny set it (applied from the provisioner's next round, no reconnect).",
+    )
+    eligible.add_argument("id", type=UUID, help="an installation provisioner token's id")
+    choice = eligible.add_mutually_exclusive_group()
+    choice.add_argument("--all", action="store_true", help="every workspace (the default)")
+    choice.add_argument("--allow", type=UUID, nargs="+", metavar="W", help="only these")
+    choice.add_argument("--deny", type=UUID, nargs="+", metavar="W", help="all but these")
     tokens.set_defaults(run="server:_cmd_tokens")
+    eligible.set_defaults(run="server:_cmd_eligibility")
     _client_commands(commands)
     return top
 

@@ -29,6 +29,7 @@ from controlplane.web import (
     admin,
     control,
     control_deps,
+    eligibility,
     fleet,
     health,
     jobs,
@@ -142,6 +143,7 @@ def _routes(replica: Replica | None) -> list[BaseRoute]:
         *fleet.routes(given(lambda r: fleet.Deps(r.settings, r.pool, r.auth))),
         *admin.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
         *workspaces.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
+        *eligibility.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
         *jobs.routes(given(lambda r: jobs.Deps(r.settings, r.pool, r.auth, r.feed))),
         *provisioners.routes(
             given(lambda r: provisioners.Deps(r.settings, r.pool, r.auth, r.keys))

@@ -50,3 +50,28 @@ async def test_tokens_refuse_a_workspace_key_without_workspace_and_an_observer_o
     )
     assert observer.returncode == 2
     assert "--role" in observer.stderr
+
+
+async def test_tokens_eligibility_shows_and_sets_an_installation_provisioners(
+    database_url: str,
+) -> None:
+    created = await run_cli(database_url, "tokens", "create", "provisioner", "--name", "fleet")
+    token_id = json.loads(created.stdout)["credential"]["id"]
+    shown = await run_cli(database_url, "tokens", "eligibility", token_id)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["mode"] == "all"
+    workspace = str(uuid.uuid4())
+    denied = await run_cli(database_url, "tokens", "eligibility", token_id, "--deny", workspace)
+    assert denied.returncode == 0, denied.stderr
+    assert json.loads(denied.stdout)["workspace_ids"] == [workspace]
+    again = await run_cli(database_url, "tokens", "eligibility", token_id)
+    assert json.loads(again.stdout)["mode"] == "deny"
+    repeated = await run_cli(
+        database_url, "tokens", "eligibility", token_id, "--allow", workspace, workspace
+    )
+    assert repeated.returncode == 2
+    assert "repeat" in repeated.stderr
+    reset = await run_cli(database_url, "tokens", "eligibility", token_id, "--all")
+    assert json.loads(reset.stdout)["mode"] == "all"
+    unknown = await run_cli(database_url, "tokens", "eligibility", str(uuid.uuid4()))
+    assert unknown.returncode == 2

@@ -47,6 +47,7 @@ from controlplane.web.operations import (
 )
 from controlplane.wire.common import ErrorEnvelope
 from controlplane.wire.orchestrator import EnqueueRequest
+from controlplane.wire.provisioners import SetEligibility
 
 _REF = "#/components/schemas/{name}"
 _RETRY = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
@@ -179,6 +180,10 @@ def _components(
     if EnqueueRequest in by_kind:
         enqueue = schemas[by_kind[EnqueueRequest]["$ref"].rsplit("/", 1)[1]]
         enqueue["properties"]["jobs"]["maxItems"] = settings.queue.max_batch_size
+    if SetEligibility in by_kind:
+        eligibility = schemas[by_kind[SetEligibility]["$ref"].rsplit("/", 1)[1]]
+        listed = eligibility["properties"]["workspace_ids"]
+        listed["maxItems"] = settings.provisioners.eligibility_max_workspaces
     return by_kind, dict(sorted(schemas.items()))
 
 
