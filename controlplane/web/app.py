@@ -143,7 +143,9 @@ def _routes(replica: Replica | None) -> list[BaseRoute]:
         *fleet.routes(given(lambda r: fleet.Deps(r.settings, r.pool, r.auth))),
         *admin.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
         *workspaces.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
-        *eligibility.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
+        *eligibility.routes(
+            given(lambda r: eligibility.Deps(r.settings, r.pool, r.auth, r.demand.wake_all))
+        ),
         *jobs.routes(given(lambda r: jobs.Deps(r.settings, r.pool, r.auth, r.feed))),
         *provisioners.routes(
             given(lambda r: provisioners.Deps(r.settings, r.pool, r.auth, r.keys))

@@ -1,21 +1,27 @@
 """Installation-scope eligibility (admin key): which workspaces an installation provisioner may
 serve, read and set per provisioner token (domain/eligibility.py). A change applies from the
-provisioner's next allocation round, without reconnecting it (store/eligibility.py)."""
+provisioner's next allocation round, without reconnecting it (store/eligibility.py): the
+provisioner actors on this replica are woken at once, those on other replicas run theirs within
+`provisioners.demand_safety_tick_seconds`."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
 
+import asyncpg
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from controlplane.domain.eligibility import Eligibility, Mode, eligibility_problem
 from controlplane.errors import InvalidInput, NotFound
+from controlplane.settings import Settings
 from controlplane.store import eligibility, provisioners
-from controlplane.web import admin
+from controlplane.web import auth
 from controlplane.web.edge import json_response, path_uuid, read_json
 from controlplane.web.endpoints import bound
 from controlplane.web.operations import ADM, KNOBS, Op, operation
@@ -23,7 +29,14 @@ from controlplane.wire import provisioners as wire
 
 log = logging.getLogger("controlplane.admin")
 
-Deps = admin.Deps
+
+@dataclass(frozen=True, slots=True)
+class Deps:
+    settings: Settings  # the longest list
+    pool: asyncpg.Pool
+    auth: auth.Authenticator
+    wake: Callable[[], None]  # this replica's provisioner actors: a round at once
+
 
 _NOTES = (
     "`all` (the default): every workspace; `allow`: only `workspace_ids`; `deny`: every workspace "
@@ -75,6 +88,7 @@ async def replace(svc: Deps, request: Request) -> Response:
     wanted = Eligibility(Mode(body.mode), frozenset(body.workspace_ids))
     async with svc.pool.acquire() as conn:
         rule, updated_at = await eligibility.replace(conn, provisioner_id, wanted)
+    svc.wake()
     log.info(
         "admin.eligibility_set",
         extra={

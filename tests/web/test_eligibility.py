@@ -171,12 +171,27 @@ async def test_an_allow_list_limits_the_launch_grants(api: Api, db: asyncpg.Conn
     await ws.close()
 
 
+@pytest.fixture
+async def slow_ticks(database_url: str) -> AsyncIterator[app.Daemon]:
+    """A daemon whose provisioner actors run a round only when woken (the safety tick is ten
+    minutes): a round that happens is one something asked for."""
+    config = conftest.test_settings(provisioners__demand_safety_tick_seconds=600)
+    async for running in run_daemon(database_url, config):
+        yield running
+
+
 async def test_a_denied_workspace_gets_no_idle_runner_and_a_change_needs_no_reconnect(
-    api: Api, db: asyncpg.Connection
+    slow_ticks: app.Daemon, database_url: str, db: asyncpg.Connection
 ) -> None:
     """An idle warm runner of the installation provisioner is bound to the younger demand of an
     admitted workspace, not to the older demand of the denied one. Then the operator admits
-    every workspace, and the same session gets a grant for the once-denied one."""
+    every workspace, which wakes the provisioner's actor (no tick would come in time), and the
+    same session gets a grant for the once-denied workspace."""
+    async with open_api(slow_ticks, database_url) as api:
+        await _deny_then_admit(api, db)
+
+
+async def _deny_then_admit(api: Api, db: asyncpg.Connection) -> None:
     inst, raw = await installation(db)
     denied, admitted = api.workspace, uuid.uuid4()
     assert (await put(api, inst, {"mode": "deny", "workspace_ids": [str(denied)]})).is_success
