@@ -146,9 +146,19 @@ class ProvisionerTokenExpired(Unauthorized):
 
 
 class Forbidden(ControlPlaneError):
-    """the key is scoped to another workspace"""
+    """the key is scoped to another workspace, or is a workspace admin key on an installation
+    route"""
 
     code = "forbidden"
+
+
+class ReadOnlyKey(Forbidden):
+    """an observer admin key asked for a change (anything but GET)"""
+
+    code = "admin-key-read-only"
+
+    def __init__(self) -> None:
+        super().__init__("this admin key is an observer: it may only read")
 
 
 # ------------------------------------------------------------------------------------------ 404

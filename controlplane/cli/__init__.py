@@ -378,24 +378,45 @@ def parser() -> argparse.ArgumentParser:
     tokens = commands.add_parser(
         "tokens",
         help="create, list or revoke credentials",
-        description="Orchestrator and admin API keys, manual runner registration tokens, and "
-        "provisioner tokens (--workspace for workspace scope, omitted for installation scope). "
+        description="Orchestrator, admin and workspace admin API keys, manual runner "
+        "registration tokens, and provisioner tokens (--workspace for workspace scope, omitted "
+        "for installation scope). "
         "A created token is printed once; only its SHA-256 is stored.",
     )
     actions = tokens.add_subparsers(dest="action", required=True, metavar="ACTION")
-    kinds = ["orchestrator", "admin", "registration", "provisioner"]
+    kinds = ["orchestrator", "admin", "workspace-admin", "registration", "provisioner"]
     create = actions.add_parser("create", help="create a credential and print it once")
     create.add_argument("kind", choices=kinds)
     create.add_argument("--name", required=True, help="a label for people (1-200 characters)")
-    create.add_argument("--workspace", type=UUID, help="scope to one workspace")
+    create.add_argument(
+        "--workspace", type=UUID, help="scope to one workspace (workspace-admin: required)"
+    )
     create.add_argument("--ttl", type=int, help="lifetime in seconds (default: no expiry)")
+    create.add_argument(
+        "--role",
+        choices=["owner", "observer"],
+        default="owner",
+        help="admin and workspace-admin keys: owner (default) or observer (read only)",
+    )
     listing = actions.add_parser("list", help="list credentials (never their secrets)")
     listing.add_argument("kind", choices=kinds)
     listing.add_argument("--workspace", type=UUID, help="registration tokens of one workspace")
     revoke = actions.add_parser("revoke", help="revoke a credential (idempotent)")
     revoke.add_argument("kind", choices=kinds)
     revoke.add_argument("id", type=UUID)
+    eligible = actions.add_parser(
+        "eligibility",
+        help="show or set which workspaces an installation provisioner may serve",
+        description="Without an option, print the provisioner token's eligibility; --all, "
+        "--allow or --deny set it (applied from the provisioner's next round, no reconnect).",
+    )
+    eligible.add_argument("id", type=UUID, help="an installation provisioner token's id")
+    choice = eligible.add_mutually_exclusive_group()
+    choice.add_argument("--all", action="store_true", help="every workspace (the default)")
+    choice.add_argument("--allow", type=UUID, nargs="+", metavar="W", help="only these")
+    choice.add_argument("--deny", type=UUID, nargs="+", metavar="W", help="all but these")
     tokens.set_defaults(run="server:_cmd_tokens")
+    eligible.set_defaults(run="server:_cmd_eligibility")
     _client_commands(commands)
     return top
 

@@ -17,9 +17,17 @@ import anyio
 import msgspec
 
 from controlplane import app, dev, settings
-from controlplane.domain.credential_rules import Family, NewCredential, lifetime, scope_problem
-from controlplane.errors import InvalidInput
-from controlplane.store import credentials
+from controlplane.domain.credential_rules import (
+    Family,
+    NewCredential,
+    lifetime,
+    role_problem,
+    scope_problem,
+)
+from controlplane.domain.credentials import Role
+from controlplane.domain.eligibility import EVERY_WORKSPACE, Eligibility, Mode, eligibility_problem
+from controlplane.errors import InvalidInput, NotFound
+from controlplane.store import credentials, eligibility, provisioners
 from controlplane.store.pool import connect
 from controlplane.wire import admin as admin_wire
 from controlplane.wire import provisioners as provisioner_wire
@@ -105,7 +113,9 @@ def _checked_create(args: argparse.Namespace) -> None:
         elif args.kind == "provisioner":
             msgspec.convert(fields, provisioner_wire.CreateProvisionerToken)
         else:
-            msgspec.convert({**fields, "kind": args.kind}, admin_wire.CreateApiKey)
+            workspace = None if args.workspace is None else str(args.workspace)
+            key = {**fields, "kind": args.kind, "workspace_id": workspace, "role": args.role}
+            msgspec.convert(key, admin_wire.CreateApiKey)
     except msgspec.ValidationError as error:
         raise InvalidInput(f"invalid token request: {error}") from error
 
@@ -114,10 +124,13 @@ def _new_credential(args: argparse.Namespace) -> NewCredential:
     """What `tokens create` asks for, under the admin API's rules: the scope rule (in the
     command's words), then the body's field rules."""
     family = Family(args.kind)
+    role = Role(args.role)
     if problem := scope_problem(family, args.workspace, field="--workspace"):
         raise InvalidInput(problem)
+    if problem := role_problem(family, role, field="--role"):
+        raise InvalidInput(problem)
     _checked_create(args)
-    return NewCredential(family, args.name, args.workspace, lifetime(args.ttl))
+    return NewCredential(family, args.name, args.workspace, lifetime(args.ttl), role)
 
 
 def _cmd_tokens(config: settings.Settings, args: argparse.Namespace) -> None:
@@ -135,6 +148,44 @@ def _cmd_tokens(config: settings.Settings, args: argparse.Namespace) -> None:
                 _print(item)
         else:
             _print(await credentials.revoke(conn, family, args.id))
+
+    anyio.run(lambda: _with_db(config, work))
+
+
+def _wanted_eligibility(config: settings.Settings, args: argparse.Namespace) -> Eligibility | None:
+    """What `tokens eligibility` sets, under the admin API's rules; None: only show it."""
+    if args.all:
+        return EVERY_WORKSPACE
+    mode, listed = (Mode.ALLOW, args.allow) if args.allow else (Mode.DENY, args.deny)
+    if listed is None:
+        return None
+    limit = config.provisioners.eligibility_max_workspaces
+    if problem := eligibility_problem(mode, listed, limit=limit):
+        raise InvalidInput(problem)
+    return Eligibility(mode, frozenset(listed))
+
+
+def _cmd_eligibility(config: settings.Settings, args: argparse.Namespace) -> None:
+    """Show or set an installation provisioner token's eligibility (store/eligibility.py, as
+    `PUT /v1/admin/provisioner-tokens/{id}/eligibility` does); prints it as that route answers."""
+    wanted = _wanted_eligibility(config, args)
+
+    async def work(conn: Any) -> None:
+        # An unknown token or a workspace one exits 2 with the store's message.
+        if wanted is None:
+            if await provisioners.by_id(conn, args.id) is None:
+                raise NotFound(f"no provisioner token {args.id}")
+            rule, updated_at = await eligibility.read(conn, args.id)
+        else:
+            rule, updated_at = await eligibility.replace(conn, args.id, wanted)
+        _print(
+            provisioner_wire.EligibilityOut(
+                provisioner_id=args.id,
+                mode=rule.mode.value,
+                workspace_ids=sorted(rule.workspaces),
+                updated_at=updated_at,
+            )
+        )
 
     anyio.run(lambda: _with_db(config, work))
 

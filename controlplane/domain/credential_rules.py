@@ -1,8 +1,9 @@
 """The rules about credentials that the admin API and the `tokens` command share. Pure.
 
-Issuing: the four families an operator creates (orchestrator and admin API keys, manual
-registration tokens, provisioner tokens), the workspace each may or must name, and the lifetime
-asked for. The raw token exists once, in the answer to its creation; only its SHA-256 is kept.
+Issuing: the five families an operator creates (orchestrator, admin and workspace admin API
+keys, manual registration tokens, provisioner tokens), the workspace each may or must name, the
+role of an admin key, and the lifetime asked for. The raw token exists once, in the answer to
+its creation; only its SHA-256 is kept.
 
 Presenting: once a presented token is found, whether it is refused, with which code and message,
 and in which order revocation and expiry are reported (each kind as the reference does).
@@ -17,6 +18,7 @@ from typing import Protocol
 from uuid import UUID
 
 from controlplane.domain import tokens
+from controlplane.domain.credentials import Role
 from controlplane.errors import InvalidInput, Unauthorized
 
 
@@ -25,6 +27,7 @@ class Family(enum.StrEnum):
 
     ORCHESTRATOR = "orchestrator"
     ADMIN = "admin"
+    WORKSPACE_ADMIN = "workspace-admin"
     REGISTRATION = "registration"
     PROVISIONER = "provisioner"
 
@@ -36,6 +39,7 @@ class Family(enum.StrEnum):
 _TOKEN_KINDS = {
     Family.ORCHESTRATOR: tokens.Kind.ORCHESTRATOR_KEY,
     Family.ADMIN: tokens.Kind.ADMIN_KEY,
+    Family.WORKSPACE_ADMIN: tokens.Kind.WORKSPACE_ADMIN_KEY,
     Family.REGISTRATION: tokens.Kind.MANUAL_REGISTRATION,
     Family.PROVISIONER: tokens.Kind.PROVISIONER,
 }
@@ -44,13 +48,31 @@ _TOKEN_KINDS = {
 def scope_problem(family: Family, workspace_id: UUID | None, *, field: str) -> str | None:
     """Why `workspace_id` cannot scope a credential of `family`, naming the caller's `field`
     (`workspace_id` in a body, `--workspace` on the command line); None when it can. Admin keys
-    are installation-wide; a registration token registers runners of one workspace; orchestrator
-    keys and provisioner tokens are either."""
+    are installation-wide; a workspace admin key administers one workspace and a registration
+    token registers runners of one; orchestrator keys and provisioner tokens are either."""
     if family is Family.ADMIN and workspace_id is not None:
         return f"admin keys are installation-wide: omit {field}"
+    if family is Family.WORKSPACE_ADMIN and workspace_id is None:
+        return f"workspace admin keys need {field}"
     if family is Family.REGISTRATION and workspace_id is None:
         return f"registration tokens need {field}"
     return None
+
+
+ROLE_FAMILIES = frozenset({Family.ADMIN, Family.WORKSPACE_ADMIN})
+
+
+def role_problem(family: Family, role: Role, *, field: str) -> str | None:
+    """Why `role` cannot be given to a credential of `family` (only admin keys of either kind
+    have one; every other credential is an owner); None when it can."""
+    if role is not Role.OWNER and family not in ROLE_FAMILIES:
+        return f"only admin and workspace-admin keys take {field}"
+    return None
+
+
+def may_change(role: Role, method: str) -> bool:
+    """Whether a key of `role` may make a request with this HTTP method: an observer reads."""
+    return role is Role.OWNER or method in ("GET", "HEAD")
 
 
 def lifetime(seconds: float | None) -> timedelta | None:
@@ -66,10 +88,13 @@ class NewCredential:
     name: str
     workspace_id: UUID | None = None
     ttl: timedelta | None = None
+    role: Role = Role.OWNER
 
     def __post_init__(self) -> None:
         if problem := scope_problem(self.family, self.workspace_id, field="workspace_id"):
             raise InvalidInput(problem, field="workspace_id")
+        if problem := role_problem(self.family, self.role, field="role"):
+            raise InvalidInput(problem, field="role")
 
 
 class Revocable(Protocol):

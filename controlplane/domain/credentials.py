@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
+
+
+class Role(enum.StrEnum):
+    """What an admin key (installation or workspace) may do on its routes: an owner everything
+    they allow, an observer only read (GET). Orchestrator keys and tokens are owners."""
+
+    OWNER = "owner"
+    OBSERVER = "observer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,7 +21,7 @@ class Credential:
     """An API key or a manual registration token, as stored (never the raw value)."""
 
     id: UUID
-    kind: str  # 'orchestrator', 'admin' or 'manual-registration'
+    kind: str  # 'orchestrator', 'admin', 'workspace-admin' or 'manual-registration'
     name: str
     workspace_id: UUID | None
     display_prefix: str
@@ -20,3 +29,4 @@ class Credential:
     expires_at: datetime | None
     revoked_at: datetime | None
     revocation_reason: str | None  # what the admin who revoked it gave, if anything
+    role: Role = Role.OWNER

@@ -34,6 +34,7 @@ _MAX_SIGNED_LENGTH = 4096
 class Kind(enum.StrEnum):
     ORCHESTRATOR_KEY = "oak"
     ADMIN_KEY = "adm"
+    WORKSPACE_ADMIN_KEY = "wak"
     MANUAL_REGISTRATION = "mrt"
     EPHEMERAL_REGISTRATION = "ert"
     ACTIVATION = "rat"

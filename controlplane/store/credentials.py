@@ -1,7 +1,8 @@
 """Credentials: signing keys and the replica's cache of them (`KeyRing`), API keys
-(orchestrator, admin) and manual registration tokens; and issuing, listing and revoking any family
-an operator manages (provisioner tokens too, through store/provisioners.py), for the admin API and
-the `tokens` command alike, under the rules of domain/credential_rules.py.
+(orchestrator, admin and workspace admin, with their role) and manual registration tokens; and
+issuing, listing and revoking any family an operator manages (provisioner tokens too, through
+store/provisioners.py), for the admin API and the `tokens` command alike, under the rules of
+domain/credential_rules.py.
 
 No statement here takes an explicit lock; each is a single-row insert, update or lookup by a
 unique key (a provisioner token's revocation takes its own, store/provisioners.py). Raw tokens
@@ -19,7 +20,7 @@ import asyncpg
 
 from controlplane.domain import tokens
 from controlplane.domain.credential_rules import Family, NewCredential
-from controlplane.domain.credentials import Credential
+from controlplane.domain.credentials import Credential, Role
 from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import NotFound
 from controlplane.store import pages, provisioners
@@ -38,12 +39,16 @@ def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
         expires_at=row["expires_at"],
         revoked_at=row["revoked_at"],
         revocation_reason=row["revocation_reason"],
+        role=Role(row["role"]) if "role" in row else Role.OWNER,
     )
 
 
 _COLUMNS = (
     "id, name, workspace_id, display_prefix, created_at, expires_at, revoked_at, revocation_reason"
 )
+_KEY_COLUMNS = f"kind, role, {_COLUMNS}"  # an API key's
+# A manual registration token still usable: neither revoked nor expired (by the database's clock).
+_USABLE = "revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now())"
 
 
 # The first revocation sets the time and the reason ($2); later ones change neither.
@@ -120,20 +125,23 @@ async def create_api_key(
     workspace_id: UUID | None = None,
     ttl: timedelta | None = None,
     token: tokens.Opaque | None = None,
+    role: Role = Role.OWNER,
 ) -> tuple[Credential, str]:
     token = token or tokens.new_opaque(Family(kind).token_kind)
     row = await conn.fetchrow(
         f"""
-        INSERT INTO api_keys (kind, name, workspace_id, token_sha256, display_prefix, expires_at)
-        VALUES ($1, $2, $3, $4, $5, now() + $6::interval)
-        RETURNING kind, {_COLUMNS}
-        """,  # noqa: S608 -- interpolates constants only: _COLUMNS
+        INSERT INTO api_keys
+            (kind, name, workspace_id, token_sha256, display_prefix, expires_at, role)
+        VALUES ($1, $2, $3, $4, $5, now() + $6::interval, $7)
+        RETURNING {_KEY_COLUMNS}
+        """,  # noqa: S608 -- interpolates constants only: _KEY_COLUMNS
         kind,
         name,
         workspace_id,
         token.sha256,
         token.display_prefix,
         ttl,
+        role.value,
     )
     assert row is not None
     return _credential(row), token.raw
@@ -143,9 +151,9 @@ async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | 
     row = await row_by_digest(
         conn,
         f"""
-        SELECT kind, token_sha256, {_COLUMNS} FROM api_keys
+        SELECT token_sha256, {_KEY_COLUMNS} FROM api_keys
         WHERE token_sha256 = $1 AND kind = $2
-        """,  # noqa: S608 -- interpolates constants only: _COLUMNS
+        """,  # noqa: S608 -- interpolates constants only: _KEY_COLUMNS
         sha256,
         kind,
     )
@@ -155,7 +163,7 @@ async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | 
 
 
 async def api_key_by_id(conn: Conn, key_id: UUID) -> Credential | None:
-    row = await conn.fetchrow(f"SELECT kind, {_COLUMNS} FROM api_keys WHERE id = $1", key_id)  # noqa: S608 -- interpolates constants only: _COLUMNS
+    row = await conn.fetchrow(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = $1", key_id)  # noqa: S608 -- interpolates constants only: _KEY_COLUMNS
     return None if row is None else _credential(row)
 
 
@@ -164,10 +172,10 @@ async def list_api_keys(
 ) -> list[Credential]:
     rows = await conn.fetch(
         f"""
-        SELECT kind, {_COLUMNS} FROM api_keys
+        SELECT {_KEY_COLUMNS} FROM api_keys
         WHERE ($4::text IS NULL OR kind = $4) AND {pages.BEFORE}
         ORDER BY {pages.NEWEST_FIRST}
-        """,  # noqa: S608 -- interpolates constants only: _COLUMNS, pages.BEFORE, pages.NEWEST_FIRST
+        """,  # noqa: S608 -- interpolates constants only: _KEY_COLUMNS, pages.BEFORE, pages.NEWEST_FIRST
         *pages.args(before, limit),
         kind,
     )
@@ -179,8 +187,8 @@ async def revoke_api_key(conn: Conn, key_id: UUID, *, reason: str | None = None)
     row = await conn.fetchrow(
         f"""
         UPDATE api_keys SET {_REVOKE} WHERE id = $1
-        RETURNING kind, {_COLUMNS}
-        """,  # noqa: S608 -- interpolates constants only: _REVOKE, _COLUMNS
+        RETURNING {_KEY_COLUMNS}
+        """,  # noqa: S608 -- interpolates constants only: _REVOKE, _KEY_COLUMNS
         key_id,
         reason,
     )
@@ -243,15 +251,20 @@ async def list_manual_tokens(
     *,
     before: pages.Before = None,
     limit: int | None = None,
+    usable_only: bool = False,
 ) -> list[Credential]:
+    """Newest first; `usable_only`: without the revoked and the expired (a workspace's own
+    listing, spec S-49)."""
     rows = await conn.fetch(
         f"""
         SELECT {_COLUMNS} FROM manual_registration_tokens
         WHERE ($4::uuid IS NULL OR workspace_id = $4) AND {pages.BEFORE}
+          AND (NOT $5::boolean OR ({_USABLE}))
         ORDER BY {pages.NEWEST_FIRST}
-        """,  # noqa: S608 -- interpolates constants only: _COLUMNS, pages.BEFORE, pages.NEWEST_FIRST
+        """,  # noqa: S608 -- interpolates constants only: _COLUMNS, pages.BEFORE, _USABLE, pages.NEWEST_FIRST
         *pages.args(before, limit),
         workspace_id,
+        usable_only,
     )
     return [_credential(row, "manual-registration") for row in rows]
 
@@ -298,6 +311,7 @@ async def issue_key(
         workspace_id=new.workspace_id,
         ttl=new.ttl,
         token=token,
+        role=new.role,
     )
 
 

@@ -281,18 +281,31 @@ async def allocate_workspace(
 
 
 async def demand_workspaces(
-    conn: Conn, eligible: Collection[UUID] | None = None, *, limit: int = 1000
+    conn: Conn,
+    eligible: Collection[UUID] | None = None,
+    *,
+    provisioner_id: UUID | None = None,
+    limit: int = 1000,
 ) -> list[UUID]:
     """Workspaces with pending jobs, oldest demand first (then id), at most `limit` (one walk
-    serves the oldest; the rest wait for a later round); `eligible` None is all."""
+    serves the oldest; the rest wait for a later round); `eligible` None is all. With
+    `provisioner_id`, only those its eligibility admits (store/eligibility.py; no row: all),
+    read in this same statement, so every walk sees the eligibility as it stands and the limit
+    counts admitted workspaces only. The condition is `Eligibility.admits` in SQL."""
     rows = await conn.fetch(
         """
-        SELECT workspace_id FROM pending_jobs
-         WHERE $1::uuid[] IS NULL OR workspace_id = ANY($1::uuid[])
-         GROUP BY workspace_id ORDER BY min(created_at), workspace_id LIMIT $2
+        SELECT w.workspace_id
+          FROM (SELECT workspace_id, min(created_at) AS oldest FROM pending_jobs
+                 WHERE $1::uuid[] IS NULL OR workspace_id = ANY($1::uuid[])
+                 GROUP BY workspace_id) w
+          LEFT JOIN provisioner_eligibility e ON e.provisioner_id = $3
+         WHERE e.provisioner_id IS NULL
+            OR (e.mode = 'allow') = (w.workspace_id = ANY(e.workspace_ids))
+         ORDER BY w.oldest, w.workspace_id LIMIT $2
         """,
         None if eligible is None else list(eligible),
         limit,
+        provisioner_id,
     )
     return [r["workspace_id"] for r in rows]
 

@@ -107,8 +107,10 @@ class SessionStore:
         return result
 
     async def demand_workspaces(self) -> list[UUID]:
+        """The workspaces with demand that this provisioner's eligibility admits (spec 3.5),
+        read afresh by every walk: an operator's change applies from the next round on."""
         async with self.pool.acquire() as conn:
-            return await demand.demand_workspaces(conn)
+            return await demand.demand_workspaces(conn, provisioner_id=self.provisioner.id)
 
     async def allocate_in_walk(
         self, workspace_id: UUID, terms: RoundTerms

@@ -1,5 +1,6 @@
-"""Admin routes (admin API key): API keys, manual registration tokens and the queue. The views of
-runners and the provisioned fleet are web/fleet.py's."""
+"""Admin routes (admin API key): API keys (orchestrator, admin and workspace admin keys, with an
+admin key's role), manual registration tokens and the queue. The views of runners and the
+provisioned fleet are web/fleet.py's; a workspace's own routes are web/workspaces.py's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
-from controlplane.domain.credentials import Credential
+from controlplane.domain.credentials import Credential, Role
 from controlplane.settings import Settings
 from controlplane.store import credentials, executions, queries
 from controlplane.store.credentials import KeyRing
@@ -52,7 +53,7 @@ class Deps:
     keys: KeyRing  # a replayed create derives its token with the current key
 
 
-def _out(credential: Credential) -> wire.CredentialOut:
+def credential_out(credential: Credential) -> wire.CredentialOut:
     return wire.CredentialOut(
         id=credential.id,
         kind=credential.kind,
@@ -63,6 +64,7 @@ def _out(credential: Credential) -> wire.CredentialOut:
         expires_at=credential.expires_at,
         revoked_at=credential.revoked_at,
         revocation_reason=credential.revocation_reason,
+        role=credential.role.value,
     )
 
 
@@ -70,22 +72,28 @@ def _out(credential: Credential) -> wire.CredentialOut:
 async def create_api_key(svc: Deps, request: Request) -> Response:
     actor = await svc.auth.admin(request)
     body = await read_json(request, wire.CreateApiKey, svc.settings.server.max_body_bytes)
-    new = NewCredential(Family(body.kind), body.name, body.workspace_id, lifetime(body.ttl_seconds))
+    new = NewCredential(
+        Family(body.kind),
+        body.name,
+        body.workspace_id,
+        lifetime(body.ttl_seconds),
+        Role(body.role),
+    )
     created, raw = await create_once(
         request, svc, actor, "api_key.create", body, new, credentials.issue_key,
         credentials.api_key_by_id,
     )  # fmt: skip
-    return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
+    return json_response(wire.CreatedCredential(credential=credential_out(created), token=raw), 201)
 
 
 def _position(credential: Credential) -> tuple[datetime, UUID]:
     return credential.created_at, credential.id
 
 
-def _credentials(found: list[Credential], page: Page) -> Response:
+def credential_page(found: list[Credential], page: Page) -> Response:
     shown, next_cursor = cut(found, page, _position)
     return json_response(
-        wire.CredentialList(items=[_out(item) for item in shown], next_cursor=next_cursor)
+        wire.CredentialList(items=[credential_out(item) for item in shown], next_cursor=next_cursor)
     )
 
 
@@ -106,7 +114,7 @@ async def list_api_keys(svc: Deps, request: Request) -> Response:
     page = page_of(query.limit, query.cursor)
     async with svc.pool.acquire() as conn:
         found = await credentials.list_api_keys(conn, before=page.before, limit=page.fetch)
-    return _credentials(found, page)
+    return credential_page(found, page)
 
 
 async def _revoke(
@@ -120,7 +128,7 @@ async def _revoke(
     body = await read_json(request, wire.Revoke, svc.settings.server.max_body_bytes, optional=True)
 
     async def once(conn: Conn) -> wire.CredentialOut:
-        return _out(await revoke(conn, target_id, body.reason))
+        return credential_out(await revoke(conn, target_id, body.reason))
 
     answer = await revoke_once(request, svc, actor, command, target_id, body, once)
     return Response(answer, 200, media_type="application/json")
@@ -153,7 +161,7 @@ async def create_registration_token(svc: Deps, request: Request) -> Response:
         request, svc, actor, "registration_token.create", body, new, credentials.issue_key,
         credentials.manual_token_by_id,
     )  # fmt: skip
-    return json_response(wire.CreatedCredential(credential=_out(created), token=raw), 201)
+    return json_response(wire.CreatedCredential(credential=credential_out(created), token=raw), 201)
 
 
 @operation(
@@ -176,7 +184,7 @@ async def list_registration_tokens(svc: Deps, request: Request) -> Response:
         found = await credentials.list_manual_tokens(
             conn, workspace, before=page.before, limit=page.fetch
         )
-    return _credentials(found, page)
+    return credential_page(found, page)
 
 
 @operation(

@@ -29,6 +29,7 @@ from controlplane.web import (
     admin,
     control,
     control_deps,
+    eligibility,
     fleet,
     health,
     jobs,
@@ -37,6 +38,7 @@ from controlplane.web import (
     provisioners,
     runner_control,
     runners,
+    workspace_settings,
     workspaces,
 )
 from controlplane.web.auth import Authenticator, utc_now
@@ -147,7 +149,13 @@ def _routes(replica: Replica | None) -> list[BaseRoute]:
         ),
         *fleet.routes(given(lambda r: fleet.Deps(r.settings, r.pool, r.auth))),
         *admin.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
-        *workspaces.routes(given(lambda r: workspaces.Deps(r.settings, r.pool, r.auth))),
+        *workspace_settings.routes(
+            given(lambda r: workspace_settings.Deps(r.settings, r.pool, r.auth))
+        ),
+        *workspaces.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
+        *eligibility.routes(
+            given(lambda r: eligibility.Deps(r.settings, r.pool, r.auth, r.demand.wake_all))
+        ),
         *jobs.routes(given(lambda r: jobs.Deps(r.settings, r.pool, r.auth, r.feed))),
         *provisioners.routes(
             given(lambda r: provisioners.Deps(r.settings, r.pool, r.auth, r.keys))

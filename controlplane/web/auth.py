@@ -5,6 +5,11 @@ Every opaque credential goes through one ladder (`Authenticator.present`): parse
 kind (else `unauthorized`), find it by digest (unknown: `unauthorized`), then the kind's own
 refusals (domain/credential_rules.py for keys and tokens an operator issues; the lookup's own
 conditions for the boot path's tokens). Signed runner tokens are verified with the key ring.
+
+Admin keys of either kind then pass their role (`credential_rules.may_change`): an observer
+only reads. A workspace admin key is good for its own workspace's routes alone: on another
+workspace's, or on an installation (`/v1/admin/...`) route, it is 403 `forbidden` once it has
+been found valid (an invalid one is 401 like any other).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any, Generic, TypeVar
 from uuid import UUID
 
 import asyncpg
-from starlette.requests import HTTPConnection
+from starlette.requests import HTTPConnection, Request
 
 from controlplane.domain import credential_rules as rules
 from controlplane.domain import tokens
@@ -26,7 +31,7 @@ from controlplane.domain.control_sessions import ActivationGrant, ControlSession
 from controlplane.domain.credentials import Credential
 from controlplane.domain.jobs import JobIdentity, SessionClaims
 from controlplane.domain.provisioners import Provisioner
-from controlplane.errors import Forbidden, Unauthorized
+from controlplane.errors import Forbidden, ReadOnlyKey, Unauthorized
 from controlplane.settings import Settings
 from controlplane.store import (
     activations,
@@ -37,7 +42,7 @@ from controlplane.store import (
 )
 from controlplane.store.credentials import KeyRing
 from controlplane.store.pool import Conn
-from controlplane.web.edge import bearer
+from controlplane.web.edge import bearer, path_uuid
 
 log = logging.getLogger("controlplane.auth")
 
@@ -80,8 +85,15 @@ async def _admin_key(conn: Conn, sha256: str) -> Credential | None:
     return await credentials.api_key_by_digest(conn, rules.Family.ADMIN, sha256)
 
 
+async def _workspace_admin_key(conn: Conn, sha256: str) -> Credential | None:
+    return await credentials.api_key_by_digest(conn, rules.Family.WORKSPACE_ADMIN, sha256)
+
+
 ORCHESTRATOR_KEY = Check(tokens.Kind.ORCHESTRATOR_KEY, _orchestrator_key, rules.API_KEY.check)
 ADMIN_KEY = Check(tokens.Kind.ADMIN_KEY, _admin_key, rules.API_KEY.check)
+WORKSPACE_ADMIN_KEY = Check(
+    tokens.Kind.WORKSPACE_ADMIN_KEY, _workspace_admin_key, rules.API_KEY.check
+)
 MANUAL_REGISTRATION = Check(
     tokens.Kind.MANUAL_REGISTRATION,
     credentials.manual_token_by_digest,
@@ -101,6 +113,13 @@ EPHEMERAL_REGISTRATION = Check(
 def require_workspace(credential: Credential, workspace_id: UUID) -> None:
     if credential.workspace_id is not None and credential.workspace_id != workspace_id:
         raise Forbidden("this key is scoped to another workspace", workspace_id=str(workspace_id))
+
+
+def _role_allows(key: Credential, request: HTTPConnection) -> Credential:
+    method = request.scope.get("method", "GET")
+    if not rules.may_change(key.role, method):
+        raise ReadOnlyKey()
+    return key
 
 
 def bearer_kind(request: HTTPConnection) -> tokens.Kind | None:
@@ -163,7 +182,28 @@ class Authenticator:
         return await self.present(request, ORCHESTRATOR_KEY)
 
     async def admin(self, request: HTTPConnection) -> Credential:
-        return await self.present(request, ADMIN_KEY)
+        """An installation admin key whose role allows this request. A valid workspace admin
+        key is refused with 403: installation routes are not its."""
+        if bearer_kind(request) is tokens.Kind.WORKSPACE_ADMIN_KEY:
+            await self.present(request, WORKSPACE_ADMIN_KEY)
+            raise Forbidden("a workspace admin key may use only its workspace's routes")
+        return _role_allows(await self.present(request, ADMIN_KEY), request)
+
+    async def workspace_admin(self, request: Request, path_param: str) -> tuple[Credential, UUID]:
+        """The workspace the path parameter names and a key allowed to act on it: a workspace
+        admin key of that workspace (of another one: 403 `forbidden`), or an installation admin
+        key; either with a role that allows this request. The token is checked before the path
+        (not a UUID: 400), as on every route."""
+        if bearer_kind(request) is tokens.Kind.ADMIN_KEY:
+            found = await self.present(request, ADMIN_KEY)
+            return _role_allows(found, request), path_uuid(request, path_param)
+        found = await self.present(request, WORKSPACE_ADMIN_KEY)
+        workspace_id = path_uuid(request, path_param)
+        if found.workspace_id != workspace_id:
+            raise Forbidden(
+                "this key administers another workspace", workspace_id=str(workspace_id)
+            )
+        return _role_allows(found, request), workspace_id
 
     async def manual_registration(self, request: HTTPConnection) -> Credential:
         return await self.present(request, MANUAL_REGISTRATION)

@@ -65,6 +65,11 @@ async def active_runners(svc: Deps, request: Request) -> Response:
     workspace, window = query.workspace_id, query.window_seconds
     async with svc.pool.acquire() as conn:
         found = await queries.active_runners(conn, workspace, timedelta(seconds=window))
+    return runners_out(found)
+
+
+def runners_out(found: list[queries.ActiveRunner]) -> Response:
+    """The active runners' answer (the admin view's and a workspace's own)."""
     return json_response(
         wire.ActiveRunners(
             items=[

@@ -35,6 +35,7 @@ _SIGNED = "signed `cp_{}_<kid>.<base64url claims>.<HMAC-SHA256>` (kid names the 
 _API_KEY_CODES = ("unauthorized", "api-key-revoked", "api-key-expired")
 
 OAK, ADM, MRT = "orchestratorKey", "adminKey", "manualRegistrationToken"
+WAK = "workspaceAdminKey"
 RS, JL, PT = "runnerSession", "jobLease", "provisionerToken"
 RAT, RCS, ERT = "activationToken", "controlSession", "ephemeralRegistrationToken"
 _P = KNOBS.provisioners
@@ -46,7 +47,12 @@ _PT_CODES = ("unauthorized", "provisioner-token-revoked", "provisioner-token-exp
 # fmt: off
 SECURITY: dict[str, tuple[str, tuple[str, ...], str]] = {
     OAK: ("orchestrator", _API_KEY_CODES, f"Orchestrator API key, {_OPAQUE.format('oak')}."),
-    ADM: ("admin", _API_KEY_CODES, f"Admin API key, {_OPAQUE.format('adm')}."),
+    ADM: ("admin", (*_API_KEY_CODES, "forbidden"), f"Admin API key, {_OPAQUE.format('adm')}, "
+          "with a role: owner, or observer (GET only). A valid workspace admin key is 403 on "
+          "installation routes."),
+    WAK: ("workspaces", _API_KEY_CODES, f"Workspace admin API key, {_OPAQUE.format('wak')}, "
+          "good for its own workspace's `/v1/workspaces/{workspace_id}/...` routes only, with a "
+          "role: owner, or observer (GET only)."),
     MRT: ("runners", _MRT_CODES, f"Manual registration token, {_OPAQUE.format('mrt')}."),
     RS: ("runners", ("unauthorized",), f"Runner session token, {_SIGNED.format('rs')}; lives "
          f"runners.session_token_ttl_seconds (default {_R.session_token_ttl_seconds})."),
@@ -65,6 +71,7 @@ SECURITY: dict[str, tuple[str, tuple[str, ...], str]] = {
           f"{_P.control_session_ttl_seconds}), never extended, closed at activation."),
 }
 # fmt: on
+ROLE_KEYS = frozenset({ADM, WAK})  # keys with a role: an observer's change is 403
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from uuid import UUID
 
 import msgspec
 from starlette.requests import Request
@@ -32,6 +33,7 @@ from controlplane.web.queries import decode
 from controlplane.wire import admin as admin_wire
 from controlplane.wire import provisioners as wire
 from controlplane.wire.queries import ProvisionerTokenPageQuery
+from controlplane.wire.queries import WorkspaceProvisionerTokenQuery as WorkspaceTokenQuery
 
 # A provisioner seen this recently (and not revoked or expired) is active, as in the reference.
 ACTIVE_WITHIN = timedelta(seconds=120)
@@ -41,7 +43,7 @@ ACTIVE_WITHIN = timedelta(seconds=120)
 Deps = admin.Deps
 
 
-def _out(found: Provisioner) -> wire.ProvisionerTokenOut:
+def token_out(found: Provisioner) -> wire.ProvisionerTokenOut:
     return wire.ProvisionerTokenOut(
         id=found.id,
         scope=found.scope,  # type: ignore[arg-type]
@@ -93,7 +95,9 @@ async def create_token(svc: Deps, request: Request) -> Response:
         request, svc, actor, "provisioner_token.create", body, new,
         credentials.issue_provisioner, provisioners.by_id,
     )  # fmt: skip
-    return json_response(wire.CreatedProvisionerToken(provisioner=_out(created), token=raw), 201)
+    return json_response(
+        wire.CreatedProvisionerToken(provisioner=token_out(created), token=raw), 201
+    )
 
 
 @operation(
@@ -110,17 +114,23 @@ async def create_token(svc: Deps, request: Request) -> Response:
 async def list_tokens(svc: Deps, request: Request) -> Response:
     await svc.auth.admin(request)
     query = decode(request, ProvisionerTokenPageQuery, svc.settings)
-    workspace = query.workspace_id
+    return await token_page(svc, query.workspace_id, query)
+
+
+async def token_page(
+    svc: Deps, workspace_id: UUID | None, query: ProvisionerTokenPageQuery | WorkspaceTokenQuery
+) -> Response:
+    """One page of provisioner tokens (of one workspace, or all), only the active ones when the
+    query asks: the admin list's answer, and a workspace's own."""
     seen_within = ACTIVE_WITHIN if query.active == "true" else None
     page = page_of(query.limit, query.cursor)
     async with svc.pool.acquire() as conn:
         found = await provisioners.list_all(
-            conn, workspace, seen_within=seen_within, before=page.before, limit=page.fetch
+            conn, workspace_id, seen_within=seen_within, before=page.before, limit=page.fetch
         )
     shown, next_cursor = cut(found, page, lambda item: (item.created_at, item.id))
-    return json_response(
-        wire.ProvisionerTokenList(items=[_out(item) for item in shown], next_cursor=next_cursor)
-    )
+    items = [token_out(item) for item in shown]
+    return json_response(wire.ProvisionerTokenList(items=items, next_cursor=next_cursor))
 
 
 @operation(
@@ -147,7 +157,7 @@ async def revoke_token(svc: Deps, request: Request) -> Response:
     )
 
     async def revoke(conn: Conn) -> wire.ProvisionerTokenOut:
-        return _out(await provisioners.revoke(conn, token_id, reason=body.reason))
+        return token_out(await provisioners.revoke(conn, token_id, reason=body.reason))
 
     answer = await revoke_once(
         request, svc, actor, "provisioner_token.revoke", token_id, body, revoke

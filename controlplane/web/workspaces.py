@@ -1,62 +1,257 @@
-"""Admin routes for one workspace's settings: its queue's ordering (fifo or fair share)."""
+"""A workspace's own administration, under `/v1/workspaces/{workspace_id}/...`: its manual
+registration tokens and provisioner tokens (create, list, revoke) and its active runners.
+
+Taken by a workspace admin key of that workspace (`cp_wak_`) or by an installation admin key;
+either passes its role (an observer only reads). A workspace admin key of another workspace is
+403 `forbidden`: the path names the workspace, so refusing it tells the caller nothing it did not
+send. A token of another workspace (or an installation provisioner token) addressed through this
+workspace's path is 404 `not-found`, as an unknown id is: its existence never shows.
+
+The bodies and their limits are the admin routes' (web/admin.py, web/provisioners.py) without
+the workspace, and a create is remembered under the same command and fingerprint as the admin
+create of the same workspace, so an Idempotency-Key replays alike through either route.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from uuid import UUID
 
-import asyncpg
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from controlplane.settings import Settings
-from controlplane.store import ordering
-from controlplane.web import auth
+from controlplane.domain.credential_rules import Family, NewCredential, lifetime
+from controlplane.domain.credentials import Credential
+from controlplane.errors import NotFound
+from controlplane.store import credentials, provisioners, queries
+from controlplane.store.pool import Conn
+from controlplane.web import admin
 from controlplane.web.edge import json_response, path_uuid, read_json
 from controlplane.web.endpoints import bound
-from controlplane.web.operations import ADM, Op, operation
+from controlplane.web.fleet import runners_out
+from controlplane.web.idempotency import create_once, revoke_once
+from controlplane.web.operations import (
+    ADM,
+    IDEMPOTENCY_KEY,
+    IDEMPOTENT,
+    IDEMPOTENT_NOTE,
+    IDEMPOTENT_REVOKE,
+    PAGE_NOTE,
+    REVOKE_NOTE,
+    WAK,
+    Op,
+    operation,
+)
+from controlplane.web.paging import page_of
+from controlplane.web.provisioners import token_out, token_page
+from controlplane.web.queries import decode
 from controlplane.wire import admin as wire
+from controlplane.wire import provisioners as provisioner_wire
+from controlplane.wire.queries import (
+    PageQuery,
+    WorkspaceProvisionerTokenQuery,
+    WorkspaceRunnersQuery,
+)
+
+Deps = admin.Deps  # settings, pool, authenticator, and the signing key a replay derives with
+
+_SCOPE = "forbidden admin-key-read-only"  # another workspace's key; an observer's change
+_NOT_YOURS = " A token of another workspace (or of installation scope) is 404, as an unknown id is."
 
 
-@dataclass(frozen=True, slots=True)
-class Deps:
-    settings: Settings
-    pool: asyncpg.Pool
-    auth: auth.Authenticator
+def _op(summary: str, answer: type, errors: str = "", **more: Any) -> Op:
+    """A workspace route: its workspace admin key, or an installation admin key."""
+    return Op(
+        summary,
+        WAK,
+        answer=answer,
+        errors=f"{_SCOPE} {errors}".strip(),
+        alternative_auth=(ADM,),
+        **more,
+    )
+
+
+def _create(summary: str, answer: type) -> Op:
+    return _op(
+        summary,
+        answer,
+        IDEMPOTENT,
+        body=wire.CreateWorkspaceToken,
+        headers=(IDEMPOTENCY_KEY,),
+        ok=201,
+        notes=IDEMPOTENT_NOTE,
+    )
+
+
+def _revoke(summary: str, answer: type) -> Op:
+    return _op(
+        summary,
+        answer,
+        IDEMPOTENT_REVOKE,
+        body=wire.Revoke,
+        headers=(IDEMPOTENCY_KEY,),
+        optional_body=True,
+        notes=REVOKE_NOTE + _NOT_YOURS,
+    )
+
+
+async def _caller(svc: Deps, request: Request) -> tuple[Credential, UUID]:
+    """The key allowed to act on the workspace the path names, and that workspace."""
+    return await svc.auth.workspace_admin(request, "workspace_id")
+
+
+# Manual registration tokens --------------------------------------------------------------------
+
+
+@operation(_create("Create a manual registration token of this workspace", wire.CreatedCredential))
+async def create_registration_token(svc: Deps, request: Request) -> Response:
+    actor, workspace_id = await _caller(svc, request)
+    body = await read_json(request, wire.CreateWorkspaceToken, svc.settings.server.max_body_bytes)
+    new = NewCredential(Family.REGISTRATION, body.name, workspace_id, lifetime(body.ttl_seconds))
+    # The admin route's body, so that both routes remember one request alike.
+    same = wire.CreateRegistrationToken(workspace_id, body.name, body.ttl_seconds)
+    created, raw = await create_once(
+        request, svc, actor, "registration_token.create", same, new, credentials.issue_key,
+        credentials.manual_token_by_id,
+    )  # fmt: skip
+    return json_response(
+        wire.CreatedCredential(credential=admin.credential_out(created), token=raw), 201
+    )
 
 
 @operation(
-    Op(
-        "Set a workspace's settings (idempotent)",
-        ADM,
-        wire.WorkspaceSettingsIn,
-        wire.WorkspaceSettingsOut,
-        notes="`ordering`: `fifo` (the default: priority, then age) or `fair` (the project "
-        "with the fewest running executions first, then priority, then age). A change writes "
-        "one `workspace.settings_changed` event to the feed, naming the admin key; setting "
-        "what is already set writes none. Claims on every replica use it from their next "
-        "statement.",
+    _op(
+        "This workspace's usable manual registration tokens, newest first, a page at a time",
+        wire.CredentialList,
+        "invalid-cursor",
+        query=PageQuery,
+        notes=PAGE_NOTE + " Revoked and expired tokens are left out.",
     )
 )
-async def put_settings(svc: Deps, request: Request) -> Response:
-    actor = await svc.auth.admin(request)
-    workspace_id = path_uuid(request, "workspace_id")
-    body = await read_json(request, wire.WorkspaceSettingsIn, svc.settings.server.max_body_bytes)
+async def list_registration_tokens(svc: Deps, request: Request) -> Response:
+    _, workspace_id = await _caller(svc, request)
+    query = decode(request, PageQuery, svc.settings)
+    page = page_of(query.limit, query.cursor)
     async with svc.pool.acquire() as conn:
-        changed = await ordering.set_workspace_ordering(
-            conn, workspace_id, ordering.Ordering(body.ordering), actor_id=actor.id
+        found = await credentials.list_manual_tokens(
+            conn, workspace_id, before=page.before, limit=page.fetch, usable_only=True
         )
-    out = wire.WorkspaceSettingsOut(
-        workspace_id=workspace_id, ordering=body.ordering, changed=changed
+    return admin.credential_page(found, page)
+
+
+@operation(_revoke("Revoke a manual registration token of this workspace", wire.CredentialOut))
+async def revoke_registration_token(svc: Deps, request: Request) -> Response:
+    actor, workspace_id = await _caller(svc, request)
+    token_id = path_uuid(request, "id")
+    body = await read_json(request, wire.Revoke, svc.settings.server.max_body_bytes, optional=True)
+
+    async def once(conn: Conn) -> wire.CredentialOut:
+        revoked = await credentials.revoke_manual_token(
+            conn, token_id, workspace_id, reason=body.reason
+        )
+        return admin.credential_out(revoked)
+
+    answer = await revoke_once(
+        request, svc, actor, "registration_token.revoke", token_id, body, once
     )
-    return json_response(out)
+    return Response(answer, 200, media_type="application/json")
+
+
+# Provisioner tokens ------------------------------------------------------------------------------
+
+
+@operation(
+    _create(
+        "Create a provisioner token of this workspace (workspace scope)",
+        provisioner_wire.CreatedProvisionerToken,
+    )
+)
+async def create_provisioner_token(svc: Deps, request: Request) -> Response:
+    actor, workspace_id = await _caller(svc, request)
+    body = await read_json(request, wire.CreateWorkspaceToken, svc.settings.server.max_body_bytes)
+    new = NewCredential(Family.PROVISIONER, body.name, workspace_id, lifetime(body.ttl_seconds))
+    same = provisioner_wire.CreateProvisionerToken(body.name, workspace_id, body.ttl_seconds)
+    created, raw = await create_once(
+        request, svc, actor, "provisioner_token.create", same, new,
+        credentials.issue_provisioner, provisioners.by_id,
+    )  # fmt: skip
+    return json_response(
+        provisioner_wire.CreatedProvisionerToken(provisioner=token_out(created), token=raw), 201
+    )
+
+
+@operation(
+    _op(
+        "This workspace's provisioner tokens, newest first, a page at a time",
+        provisioner_wire.ProvisionerTokenList,
+        "invalid-cursor",
+        query=WorkspaceProvisionerTokenQuery,
+        notes=PAGE_NOTE + " `active=true`: the workspace's active provisioners (seen within "
+        "120 s, not revoked, not expired), paged the same way.",
+    )
+)
+async def list_provisioner_tokens(svc: Deps, request: Request) -> Response:
+    _, workspace_id = await _caller(svc, request)
+    query = decode(request, WorkspaceProvisionerTokenQuery, svc.settings)
+    return await token_page(svc, workspace_id, query)
+
+
+@operation(
+    _revoke(
+        "Revoke a provisioner token of this workspace; the first revocation cascades",
+        provisioner_wire.ProvisionerTokenOut,
+    )
+)
+async def revoke_provisioner_token(svc: Deps, request: Request) -> Response:
+    """As the admin revoke (store/provisioners.py cascades the first one), for this workspace's
+    tokens only."""
+    actor, workspace_id = await _caller(svc, request)
+    token_id = path_uuid(request, "id")
+    body = await read_json(request, wire.Revoke, svc.settings.server.max_body_bytes, optional=True)
+
+    async def once(conn: Conn) -> provisioner_wire.ProvisionerTokenOut:
+        # A token's workspace never changes, so checking it before the revoke's locks is safe.
+        found = await provisioners.by_id(conn, token_id)
+        if found is None or found.workspace_id != workspace_id:
+            raise NotFound("no such provisioner token", id=str(token_id))
+        return token_out(await provisioners.revoke(conn, token_id, reason=body.reason))
+
+    answer = await revoke_once(
+        request, svc, actor, "provisioner_token.revoke", token_id, body, once
+    )
+    return Response(answer, 200, media_type="application/json")
+
+
+# Runners -----------------------------------------------------------------------------------------
+
+
+@operation(
+    _op("This workspace's runners seen recently, with their leases", wire.ActiveRunners,
+        query=WorkspaceRunnersQuery)
+)  # fmt: skip
+async def active_runners(svc: Deps, request: Request) -> Response:
+    _, workspace_id = await _caller(svc, request)
+    window = decode(request, WorkspaceRunnersQuery, svc.settings).window_seconds
+    async with svc.pool.acquire() as conn:
+        found = await queries.active_runners(conn, workspace_id, timedelta(seconds=window))
+    return runners_out(found)
 
 
 def routes(svc: Deps | None) -> list[BaseRoute]:
-    return [
-        Route(
-            "/v1/admin/workspaces/{workspace_id}/settings",
-            bound(put_settings, svc),
-            methods=["PUT"],
-        ),
-    ]
+    base = "/v1/workspaces/{workspace_id}"
+    tokens = (
+        ("registration-tokens", create_registration_token, list_registration_tokens,
+         revoke_registration_token),
+        ("provisioner-tokens", create_provisioner_token, list_provisioner_tokens,
+         revoke_provisioner_token),
+    )  # fmt: skip
+    found: list[BaseRoute] = []
+    for family, create, listing, revoke in tokens:
+        found += [
+            Route(f"{base}/{family}", bound(create, svc), methods=["POST"]),
+            Route(f"{base}/{family}", bound(listing, svc), methods=["GET"]),
+            Route(f"{base}/{family}/{{id}}/revoke", bound(revoke, svc), methods=["POST"]),
+        ]
+    return [*found, Route(f"{base}/runners", bound(active_runners, svc), methods=["GET"])]

@@ -9,7 +9,8 @@ from uuid import UUID
 
 import msgspec
 
-from controlplane.domain.credential_rules import Family, scope_problem
+from controlplane.domain.credential_rules import Family, role_problem, scope_problem
+from controlplane.domain.credentials import Role
 from controlplane.wire.common import PLAIN_TEXT_PATTERN, Name, Strict, whole
 
 # A float that is a whole number: JSON Schema's `integer` admits 5.0 as well as 5.
@@ -45,28 +46,70 @@ class Revoke(Strict):
             raise ValueError("reason must not contain control or format characters")
 
 
+KeyRole = Annotated[
+    Literal["owner", "observer"],
+    msgspec.Meta(description="owner: everything its routes allow; observer: GET only."),
+]
+
+
 class CreateApiKey(Strict):
-    kind: Literal["orchestrator", "admin"]
+    kind: Literal["orchestrator", "admin", "workspace-admin"]
     name: Name
     workspace_id: UUID | None = None
     ttl_seconds: TtlSeconds | None = None
+    role: KeyRole = "owner"  # admin and workspace-admin keys only
 
-    # What __post_init__ refuses, in JSON Schema (web/openapi/ adds it to the component).
+    # What __post_init__ refuses, in JSON Schema (web/openapi/ adds it to the component): an
+    # admin key names no workspace, a workspace admin key names one, an orchestrator key has
+    # no role but owner.
     json_schema_extra: ClassVar[dict[str, Any]] = {
-        "anyOf": [
-            {"properties": {"kind": {"const": "orchestrator"}}},
-            {"properties": {"workspace_id": {"type": "null"}}},
+        "allOf": [
+            {
+                "anyOf": [
+                    {"properties": {"kind": {"enum": ["orchestrator", "workspace-admin"]}}},
+                    {"properties": {"workspace_id": {"type": "null"}}},
+                ]
+            },
+            {
+                "anyOf": [
+                    {"properties": {"kind": {"enum": ["orchestrator", "admin"]}}},
+                    {
+                        "required": ["workspace_id"],
+                        "properties": {"workspace_id": {"type": "string"}},
+                    },
+                ]
+            },
+            {
+                "anyOf": [
+                    {"properties": {"kind": {"enum": ["admin", "workspace-admin"]}}},
+                    {"properties": {"role": {"const": "owner"}}},
+                ]
+            },
         ]
     }
 
     def __post_init__(self) -> None:
-        if problem := scope_problem(Family(self.kind), self.workspace_id, field="workspace_id"):
+        family = Family(self.kind)
+        if problem := scope_problem(family, self.workspace_id, field="workspace_id"):
+            raise ValueError(problem)
+        if problem := role_problem(family, Role(self.role), field="role"):
             raise ValueError(problem)
         self.ttl_seconds = whole(self.ttl_seconds)
 
 
 class CreateRegistrationToken(Strict):
     workspace_id: UUID
+    name: Name
+    ttl_seconds: TtlSeconds | None = None
+
+    def __post_init__(self) -> None:
+        self.ttl_seconds = whole(self.ttl_seconds)
+
+
+class CreateWorkspaceToken(Strict):
+    """A registration or provisioner token of the workspace the path names: the admin create
+    bodies' rules, without the workspace."""
+
     name: Name
     ttl_seconds: TtlSeconds | None = None
 
@@ -84,6 +127,7 @@ class CredentialOut(Strict):
     expires_at: datetime | None
     revoked_at: datetime | None
     revocation_reason: str | None
+    role: Literal["owner", "observer"] = "owner"  # an admin key's; every other is an owner
 
 
 class CreatedCredential(Strict):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal
 from uuid import UUID
 
 import msgspec
 
+from controlplane.domain.eligibility import Mode, eligibility_problem
 from controlplane.wire.admin import TtlSeconds
 from controlplane.wire.common import Name, Strict, whole
 
@@ -48,3 +49,40 @@ class CreatedProvisionerToken(Strict):
 class ProvisionerTokenList(Strict):
     items: list[ProvisionerTokenOut]
     next_cursor: str | None  # null on the last page
+
+
+# The schema's bound; the server's is provisioners.eligibility_max_workspaces (at most this),
+# which the served document puts in its place.
+MAX_ELIGIBILITY_WORKSPACES = 10_000
+
+
+class SetEligibility(Strict):
+    """Which workspaces an installation provisioner may serve: `all` (no `workspace_ids`),
+    `allow` (only those) or `deny` (all but those)."""
+
+    mode: Literal["all", "allow", "deny"]
+    workspace_ids: Annotated[
+        list[UUID],
+        msgspec.Meta(
+            max_length=MAX_ELIGIBILITY_WORKSPACES, extra_json_schema={"uniqueItems": True}
+        ),
+    ] = msgspec.field(default_factory=list)
+
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "anyOf": [
+            {"properties": {"mode": {"enum": ["allow", "deny"]}}},
+            {"properties": {"workspace_ids": {"maxItems": 0}}},
+        ]
+    }
+
+    def __post_init__(self) -> None:
+        limit = MAX_ELIGIBILITY_WORKSPACES
+        if problem := eligibility_problem(Mode(self.mode), self.workspace_ids, limit=limit):
+            raise ValueError(problem)
+
+
+class EligibilityOut(Strict):
+    provisioner_id: UUID
+    mode: Literal["all", "allow", "deny"]
+    workspace_ids: list[UUID]  # sorted
+    updated_at: datetime | None  # null: never set (every workspace)

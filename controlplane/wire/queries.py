@@ -95,6 +95,15 @@ class EventsQuery(Lenient):
     ) = None
 
 
+ActiveOnly = Annotated[
+    Literal["true", "false"],
+    Meta(
+        description="true: only provisioners seen within 120 s, not revoked, not expired.",
+        extra={"refusal": "query active must be true or false"},
+    ),
+]
+
+
 class PageQuery(Strict):
     limit: PageLimit = 50
     cursor: PageCursor | None = None
@@ -108,16 +117,7 @@ class TokenPageQuery(Strict):
 
 class ProvisionerTokenPageQuery(Strict):
     workspace_id: TokensOf | None = None
-    active: (
-        Annotated[
-            Literal["true", "false"],
-            Meta(
-                description="true: only provisioners seen within 120 s, not revoked, not expired.",
-                extra={"refusal": "query active must be true or false"},
-            ),
-        ]
-        | None
-    ) = None
+    active: ActiveOnly | None = None
     limit: PageLimit = 50
     cursor: PageCursor | None = None
 
@@ -150,6 +150,20 @@ class JobPageQuery(Strict):
     ) = None
     limit: PageLimit = 50
     cursor: PageCursor | None = None
+
+
+class WorkspaceProvisionerTokenQuery(Strict):
+    """A workspace's provisioner tokens: the workspace is the path's."""
+
+    active: ActiveOnly | None = None
+    limit: PageLimit = 50
+    cursor: PageCursor | None = None
+
+
+class WorkspaceRunnersQuery(Strict):
+    window_seconds: Annotated[
+        int, Meta(ge=1, le=86400, description="Seen within this many seconds.")
+    ] = 60  # as the reference's RUNNER_ACTIVE_WINDOW_SECONDS
 
 
 class ActiveRunnersQuery(Lenient):

@@ -12,6 +12,7 @@ import pytest
 from controlplane.domain import credential_rules as rules
 from controlplane.domain import tokens
 from controlplane.domain.credential_rules import Family, NewCredential
+from controlplane.domain.credentials import Role
 from controlplane.errors import InvalidInput, Unauthorized
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -36,6 +37,7 @@ def test_each_family_issues_its_own_token_kind() -> None:
     assert {family: family.token_kind for family in Family} == {
         Family.ORCHESTRATOR: tokens.Kind.ORCHESTRATOR_KEY,
         Family.ADMIN: tokens.Kind.ADMIN_KEY,
+        Family.WORKSPACE_ADMIN: tokens.Kind.WORKSPACE_ADMIN_KEY,
         Family.REGISTRATION: tokens.Kind.MANUAL_REGISTRATION,
         Family.PROVISIONER: tokens.Kind.PROVISIONER,
     }
@@ -101,3 +103,32 @@ def test_expiring_at_this_very_instant_is_expired_and_later_is_not(
     assert refusal(check, Found(expires_at=NOW)) == (check.expired_code, f"{check.noun} expired")
     assert refusal(check, Found(expires_at=NOW + timedelta(microseconds=1))) is None
     assert refusal(check, Found()) is None
+
+
+def test_a_workspace_admin_key_needs_its_workspace() -> None:
+    problem = rules.scope_problem(Family.WORKSPACE_ADMIN, None, field="--workspace")
+    assert problem == "workspace admin keys need --workspace"
+    assert rules.scope_problem(Family.WORKSPACE_ADMIN, uuid.uuid4(), field="x") is None
+
+
+@pytest.mark.parametrize("family", list(Family))
+def test_only_admin_keys_take_the_observer_role(family: Family) -> None:
+    observer = rules.role_problem(family, Role.OBSERVER, field="role")
+    assert (observer is None) is (family in (Family.ADMIN, Family.WORKSPACE_ADMIN))
+    assert rules.role_problem(family, Role.OWNER, field="role") is None
+
+
+@pytest.mark.parametrize(
+    ("role", "method", "allowed"),
+    [
+        (Role.OWNER, "POST", True),
+        (Role.OWNER, "GET", True),
+        (Role.OBSERVER, "GET", True),
+        (Role.OBSERVER, "HEAD", True),
+        (Role.OBSERVER, "POST", False),
+        (Role.OBSERVER, "PUT", False),
+        (Role.OBSERVER, "DELETE", False),
+    ],
+)
+def test_an_observer_may_only_read(role: Role, method: str, allowed: bool) -> None:
+    assert rules.may_change(role, method) is allowed

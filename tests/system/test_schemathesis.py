@@ -60,6 +60,10 @@ class Fixture:
     registration_token_id: str
     provisioner_token_id: str
     page_cursor: str
+    workspace: str  # the fuzz workspace, and its admin key and spare tokens
+    workspace_admin: str
+    workspace_registration_token_id: str
+    workspace_provisioner_token_id: str
 
 
 def _job(workspace: uuid.UUID) -> dict[str, object]:
@@ -90,6 +94,13 @@ async def _fixture(database_url: str, address: str) -> Fixture:
             conn, workspace_id=workspace, name="spare"
         )
         spare_provisioner, _ = await provisioners.create(conn, name="spare", workspace_id=None)
+        _, workspace_admin = await credentials.create_api_key(
+            conn, kind="workspace-admin", name="fuzz team", workspace_id=workspace
+        )
+        own_token, _ = await credentials.create_manual_token(
+            conn, workspace_id=workspace, name="own spare"
+        )
+        own_provisioner, _ = await provisioners.create(conn, name="own", workspace_id=workspace)
         found, provisioner = await provisioners.create(conn, name="fuzz", workspace_id=None)
         instance = await runner(conn, found.id, control_session=None)
         control_session = await open_control_session(conn, instance, found.id)
@@ -133,12 +144,22 @@ async def _fixture(database_url: str, address: str) -> Fixture:
         registration_token_id=str(spare_token.id),
         provisioner_token_id=str(spare_provisioner.id),
         page_cursor=cursor,
+        workspace=str(workspace),
+        workspace_admin=workspace_admin,
+        workspace_registration_token_id=str(own_token.id),
+        workspace_provisioner_token_id=str(own_provisioner.id),
     )
 
 
 def _operations(found: Fixture) -> list[tuple[str, str, dict[str, str]]]:
     """(path regex, token, fixed parameters) per group of operations."""
+    own = {"path.workspace_id": found.workspace}
     return [
+        (
+            "^/v1/admin/provisioner-tokens/[{]id[}]/eligibility$",
+            found.admin,
+            {"path.id": found.provisioner_token_id},
+        ),
         ("^/v1/admin/(?!.*/revoke$)", found.admin, {"query.cursor": found.page_cursor}),
         ("^/v1/admin/api-keys/[{]id[}]/revoke$", found.admin, {"path.id": found.api_key_id}),
         (
@@ -151,6 +172,17 @@ def _operations(found: Fixture) -> list[tuple[str, str, dict[str, str]]]:
             found.admin,
             {"path.id": found.provisioner_token_id},
         ),
+        (
+            "^/v1/workspaces/[{]workspace_id[}]/registration-tokens/[{]id[}]/revoke$",
+            found.workspace_admin,
+            {**own, "path.id": found.workspace_registration_token_id},
+        ),
+        (
+            "^/v1/workspaces/[{]workspace_id[}]/provisioner-tokens/[{]id[}]/revoke$",
+            found.workspace_admin,
+            {**own, "path.id": found.workspace_provisioner_token_id},
+        ),
+        ("^/v1/workspaces/", found.workspace_admin, {**own, "query.cursor": found.page_cursor}),
         ("^/v1/(jobs|events)", found.orchestrator, {}),
         ("^/v1/runners/register$", found.registration, {}),
         ("^/v1/runners/jobs/request$", found.session, {}),
@@ -225,6 +257,6 @@ async def test_schemathesis_finds_nothing_with_every_check_and_every_credential(
     report = ran.stdout.decode()
     print(report)  # shown by pytest on failure: every finding with a curl line to reproduce it
     assert ran.returncode == 0, report
-    assert "Tested: 36" in report, report  # every HTTP operation of the document
+    assert "Tested: 45" in report, report  # every HTTP operation of the document
     # Each kind of credential was taken: an operation that answered only 401 would say so.
     assert "Authentication failed" not in report, report

@@ -37,6 +37,7 @@ from controlplane.web.edge import json_response
 from controlplane.web.errors import STATUS
 from controlplane.web.operations import (
     KNOBS,
+    ROLE_KEYS,
     SECURITY,
     TEXT,
     UUID_SCHEMA,
@@ -46,6 +47,7 @@ from controlplane.web.operations import (
 )
 from controlplane.wire.common import ErrorEnvelope
 from controlplane.wire.orchestrator import EnqueueRequest
+from controlplane.wire.provisioners import SetEligibility
 
 _REF = "#/components/schemas/{name}"
 _RETRY = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
@@ -71,6 +73,8 @@ def codes(route: Route, op: Op) -> list[str]:
         found.update((*SECURITY[op.auth][1], "database-unavailable", "server-error"))
         for other in op.alternative_auth:
             found.update(SECURITY[other][1])
+        if {op.auth, *op.alternative_auth} & ROLE_KEYS and "GET" not in (route.methods or ()):
+            found.add("admin-key-read-only")  # an observer key asked for a change
     if op.body is not None:
         found.update(("validation-error", "payload-too-large"))
     if op.query is not None or route.param_convertors:
@@ -176,6 +180,10 @@ def _components(
     if EnqueueRequest in by_kind:
         enqueue = schemas[by_kind[EnqueueRequest]["$ref"].rsplit("/", 1)[1]]
         enqueue["properties"]["jobs"]["maxItems"] = settings.queue.max_batch_size
+    if SetEligibility in by_kind:
+        eligibility = schemas[by_kind[SetEligibility]["$ref"].rsplit("/", 1)[1]]
+        listed = eligibility["properties"]["workspace_ids"]
+        listed["maxItems"] = settings.provisioners.eligibility_max_workspaces
     return by_kind, dict(sorted(schemas.items()))
 
 
