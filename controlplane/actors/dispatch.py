@@ -32,6 +32,11 @@ request handler marks a waiter abandoned when its deadline passes or its client 
 the same event-loop step as it stops waiting, so exactly one side owns the job: a claim made for
 an abandoned waiter is put back at its original queue position at once, never left to expire.
 
+Pauses (store/pauses.py). The claim statements refuse a paused workspace or session themselves;
+the dispatcher only answers people. A NOTIFY that a runner session was paused answers its parked
+waiters with `RunnerPaused` (the handler's "paused" 204) and wakes the actor; the session's later
+requests are answered at once until a resume is heard. A workspace's resume wakes its actor.
+
 Bounds: at most `max_waiters` per workspace (then the request is refused as overloaded); the hint
 holds at most `_MAX_HINTS` label sets before it collapses to "all".
 """
@@ -51,13 +56,16 @@ from anyio.abc import TaskGroup
 from controlplane import metrics
 from controlplane.domain.jobs import ClaimedJob, SessionClaims
 from controlplane.domain.labels import LabelSet
-from controlplane.errors import ControlPlaneError, ShuttingDown, Unavailable
+from controlplane.errors import ControlPlaneError, RunnerPaused, ShuttingDown, Unavailable
 from controlplane.retry import Backoff
 from controlplane.store.claiming import MAX_BATCH, ProvisionedClaim
 
 log = logging.getLogger("controlplane.dispatch")
 
 _MAX_HINTS = 64
+# Runner sessions heard paused (NOTIFY cp_paused). Past this many the set is forgotten: the
+# database still refuses them, their polls only park instead of being answered "paused".
+_MAX_PAUSED = 100_000
 _PUT_BACK_ATTEMPTS = 3
 _ALL = None  # a hint of None means: anything may have changed
 
@@ -215,6 +223,14 @@ class WorkspaceActor:
                 self._hint = _ALL
                 self._empty = []
         self._wake.set()
+
+    def answer_paused(self, runner_session_id: UUID) -> None:
+        """Answer a paused session's parked requests; wake the rest, which a claim that found
+        nothing because of it may have left marked empty."""
+        for waiter in [*self._waiters, *self._new]:
+            if waiter.session.runner_session_id == runner_session_id:
+                waiter.fail(RunnerPaused("this runner is paused"))
+        self.wake(None)
 
     def drain(self, error: ControlPlaneError) -> None:
         for waiter in [*self._waiters, *self._new]:
@@ -404,6 +420,7 @@ class Dispatcher:
         self._actors: dict[UUID, WorkspaceActor] = {}
         self._group: TaskGroup | None = None
         self._closed = False
+        self._paused: set[UUID] = set()  # runner sessions heard paused, not heard resumed
 
     @property
     def parked(self) -> int:
@@ -425,6 +442,9 @@ class Dispatcher:
         if self._closed or self._group is None:
             waiter.fail(ShuttingDown("the server is shutting down"))
             return
+        if waiter.session.runner_session_id in self._paused:
+            waiter.fail(RunnerPaused("this runner is paused"))
+            return
         actor = self._actors.get(waiter.session.workspace_id)
         if actor is None:
             actor = WorkspaceActor(
@@ -445,6 +465,28 @@ class Dispatcher:
         actor = self._actors.get(workspace_id)
         if actor is not None:
             actor.wake(labels)
+
+    def is_paused(self, runner_session_id: UUID) -> bool:
+        return runner_session_id in self._paused
+
+    def runner_paused(self, workspace_id: UUID, runner_session_id: UUID, paused: bool) -> None:
+        """A runner session was paused or resumed (NOTIFY from store/pauses.py, any replica):
+        a paused one's parked requests are answered "paused" now, its later ones at once."""
+        if not paused:
+            self._paused.discard(runner_session_id)
+            return
+        if len(self._paused) >= _MAX_PAUSED:
+            self._paused.clear()
+        self._paused.add(runner_session_id)
+        actor = self._actors.get(workspace_id)
+        if actor is not None:
+            actor.answer_paused(runner_session_id)
+
+    def forget_pauses(self) -> None:
+        """After a listener reconnect: pauses and resumes may have been missed, and a runner
+        wrongly held "paused" could never learn otherwise, so forget them all (the claim still
+        reads the database, so a paused runner's polls park and find nothing)."""
+        self._paused.clear()
 
     def wake_all(self) -> None:
         for actor in self._actors.values():

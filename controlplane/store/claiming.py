@@ -34,6 +34,17 @@ _EXECUTION_TRY_LOCK = (
 )
 
 
+# Pauses (store/pauses.py): nothing is handed out in a paused workspace ($1), nor to a paused
+# session. Primary-key probes of tables holding one row per paused thing, in the statement's
+# snapshot: a claim statement that starts after a pause committed hands out nothing. A batch
+# serves only its sessions that are not paused (`wanted`), the k-th oldest row to the k-th of them.
+_WORKSPACE_NOT_PAUSED = "NOT EXISTS (SELECT 1 FROM paused_workspaces WHERE workspace_id = $1)"
+_NOT_PAUSED = (
+    "NOT EXISTS (SELECT 1 FROM paused_workspaces WHERE workspace_id = $1)"
+    " AND NOT EXISTS (SELECT 1 FROM paused_runners WHERE runner_session_id = $4)"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class ProvisionedClaim(ClaimedJob):
     """A claim by a capped session of a provisioner's runner, with what the queue-time and
@@ -97,7 +108,8 @@ async def claim(
     execution lock first, then the pending row).
 
     An orphan (a pending row whose execution already has a lease) is deleted and stepped over;
-    it spends no claim and writes no event.
+    it spends no claim and writes no event. A paused workspace or session finds nothing
+    (`_NOT_PAUSED`).
     """
     if not session.labels:
         await touch_session(conn, session, liveness_throttle)
@@ -171,7 +183,7 @@ WITH candidate AS MATERIALIZED (
     SELECT p.id, {_EXECUTION_TRY_LOCK} AS locked
     FROM (SELECT id, job_execution_id FROM pending_jobs
           WHERE workspace_id = $1 AND required_labels <@ $2::text[]
-            AND NOT (id = ANY($3::uuid[]))
+            AND NOT (id = ANY($3::uuid[])) AND {_NOT_PAUSED}
           ORDER BY created_at, id
           LIMIT 1
           FOR UPDATE SKIP LOCKED) AS p
@@ -199,7 +211,7 @@ SELECT c.id AS candidate, c.locked, (SELECT count(*) FROM logged) AS logged,
        l.workflow_run_attempt_id, l.job_id, l.job_execution_id, l.project_id, l.required_labels,
        l.payload::text AS payload, l.queued_at, l.started_at
 FROM (SELECT 1) AS one LEFT JOIN candidate c ON true LEFT JOIN leased l ON true
-"""  # noqa: S608 -- interpolates constants only: _EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED
+"""  # noqa: S608 -- constants only: _EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED, _NOT_PAUSED
 
 
 async def _claim_attempts(
@@ -250,14 +262,16 @@ MAX_BATCH = 100
 # rows stepped over. No liveness touch: the dispatcher stamps parked sessions in batches.
 _CLAIM_BATCH = f"""
 WITH wanted AS (
-    SELECT session_id, ord FROM unnest($4::uuid[]) WITH ORDINALITY AS t(session_id, ord)
+    SELECT session_id, row_number() OVER (ORDER BY given) AS ord
+    FROM unnest($4::uuid[]) WITH ORDINALITY AS t(session_id, given)
+    WHERE NOT EXISTS (SELECT 1 FROM paused_runners WHERE runner_session_id = t.session_id)
 ), candidate AS MATERIALIZED (
     SELECT p.id, p.created_at, {_EXECUTION_TRY_LOCK} AS locked
     FROM (SELECT id, job_execution_id, created_at FROM pending_jobs
           WHERE workspace_id = $1 AND required_labels <@ $2::text[]
-            AND NOT (id = ANY($3::uuid[]))
+            AND NOT (id = ANY($3::uuid[])) AND {_WORKSPACE_NOT_PAUSED}
           ORDER BY created_at, id
-          LIMIT cardinality($4::uuid[])
+          LIMIT (SELECT count(*) FROM wanted)
           FOR UPDATE SKIP LOCKED) AS p
 ), chosen AS (
     SELECT id, row_number() OVER (ORDER BY created_at, id) AS ord FROM candidate WHERE locked
@@ -281,7 +295,7 @@ SELECT c.id AS candidate, l.workspace_id, l.workflow_run_id, l.workflow_run_atte
        (SELECT count(*) FROM logged) AS logged
 FROM candidate c LEFT JOIN taken t ON t.id = c.id
      LEFT JOIN leased l ON l.job_execution_id = t.job_execution_id
-"""  # noqa: S608 -- interpolates module constants only (_EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED)
+"""  # noqa: S608 -- module constants only (_EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED, _WORKSPACE_NOT_PAUSED)
 
 
 async def claim_batch(

@@ -34,6 +34,7 @@ from controlplane.web import (
     jobs,
     openapi,
     orchestrator,
+    pauses,
     provisioners,
     runner_control,
     runners,
@@ -141,6 +142,7 @@ def _routes(replica: Replica | None) -> list[BaseRoute]:
         *fleet.routes(given(lambda r: fleet.Deps(r.settings, r.pool, r.auth))),
         *admin.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
         *jobs.routes(given(lambda r: jobs.Deps(r.settings, r.pool, r.auth, r.feed))),
+        *pauses.routes(given(lambda r: pauses.Deps(r.settings, r.pool, r.auth))),
         *provisioners.routes(
             given(lambda r: provisioners.Deps(r.settings, r.pool, r.auth, r.keys))
         ),
