@@ -4,6 +4,7 @@ handling of the "paused" answer (Q-81)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -181,3 +182,38 @@ async def test_q81_the_reference_runner_waits_the_paused_retry_after_before_aski
     # depends on the machine, so there is no upper bound).
     first, second = scripted.requests
     assert second - first >= 6.0
+
+
+async def test_the_cli_pauses_and_resumes_workspaces_and_runners(
+    spawn_daemon: SpawnDaemon, database_url: str
+) -> None:
+    creds = await agents.make_credentials(database_url)
+    env = {"CONTROLPLANE_ADMIN_KEY": creds.admin_key}
+    workspace = str(creds.workspace)
+    async with (
+        spawn_daemon() as daemon,
+        httpx.AsyncClient(base_url=daemon.address, timeout=30) as client,
+    ):
+        url = ("--url", daemon.address)
+        _, session_id = await _register(client, creds.registration_token)
+
+        async def cli(*args: str) -> agents.Ran:
+            return await agents.run_client(*args, *url, **env)
+
+        first = await cli("workspaces", "pause", workspace, "--reason", "release freeze")
+        assert first.returncode == 0, first.stderr
+        assert first.stdout.startswith(f"workspace {workspace} paused, since ")
+        assert first.stdout.rstrip().endswith("(release freeze)")
+        again = await cli("workspaces", "pause", workspace)
+        assert f"workspace {workspace} was already paused" in again.stdout
+        resumed = await cli("workspaces", "resume", workspace, "--json")
+        assert resumed.returncode == 0, resumed.stderr
+        answer = json.loads(resumed.stdout)
+        assert (answer["kind"], answer["paused"], answer["changed"]) == ("workspace", False, True)
+
+        runner = await cli("runners", "pause", session_id)
+        assert runner.stdout.startswith(f"runner {session_id} paused, since "), runner.stderr
+        back = await cli("runners", "resume", session_id)
+        assert back.stdout.strip() == f"runner {session_id} is no longer paused"
+        unknown = await cli("runners", "resume", str(uuid.uuid4()))
+        assert unknown.returncode == 2 and "404 not-found" in unknown.stderr
