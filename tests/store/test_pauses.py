@@ -16,7 +16,7 @@ import pytest
 
 from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template
-from controlplane.domain.jobs import ClaimedJob, Outcome
+from controlplane.domain.jobs import ClaimedJob, Outcome, SessionClaims
 from controlplane.domain.pauses import Operator, PauseKind, PauseState
 from controlplane.errors import NotFound
 from controlplane.store import claiming, demand, leases, pauses, queue
@@ -192,60 +192,17 @@ async def test_q73_each_change_is_one_audit_event_naming_who_and_why(
     ]
 
 
-async def test_q74_a_claim_waiting_on_its_session_row_when_the_pause_commits_hands_out_nothing(
-    pool: asyncpg.Pool, observer: asyncpg.Connection, database_url: str, workspace: UUID
-) -> None:
-    """The forced race: a capped claim waits for its session row (held by a second connection);
-    the workspace pause commits meanwhile; the row is released. The claim statement that then
-    runs starts after the pause committed, so it hands out nothing and the job stays queued."""
+async def _claim_racing_a_pause(
+    pool: asyncpg.Pool,
+    observer: asyncpg.Connection,
+    database_url: str,
+    session: SessionClaims,
+) -> ClaimedJob | None:
+    """Claim for `session` while a second connection holds its session row; once PostgreSQL
+    reports the claim blocked, pause the session's workspace (committed), then release the row
+    and let the claim finish. Returns what the claim handed out."""
+    found: list[ClaimedJob | None] = []
     async with pool.acquire() as claimer, pool.acquire() as admin:
-        session = await capped_session(claimer, workspace)
-        job = new_job(workspace, ["linux"])
-        await queue.enqueue(claimer, [job])
-        found: list[ClaimedJob | None] = []
-
-        async def claim() -> None:
-            found.append(await claiming.claim(claimer, session))
-
-        with anyio.fail_after(10):
-            async with (
-                anyio.create_task_group() as group,
-                holding(
-                    database_url,
-                    "SELECT 1 FROM runner_sessions WHERE id = $1 FOR UPDATE",
-                    session.runner_session_id,
-                ),
-            ):
-                group.start_soon(claim)
-                await wait_until_blocked(observer, claimer.get_server_pid())
-                assert (await _set(admin, PauseKind.WORKSPACE, workspace, True)).changed
-                # The row is released here; the claim goes on, and the group waits for it.
-    assert found == [None]
-    assert await _pending(observer, workspace) == [job.identity.job_execution_id]
-    assert (
-        await observer.fetchval(
-            "SELECT count(*) FROM running_jobs WHERE workspace_id = $1", workspace
-        )
-        == 0
-    )
-
-
-async def test_q75_a_claim_statement_already_running_when_the_pause_commits_may_lease_one_job(
-    pool: asyncpg.Pool, observer: asyncpg.Connection, database_url: str, workspace: UUID
-) -> None:
-    """The exact boundary: a claim statement reads the pause in its snapshot, taken when it
-    starts. One that started before the pause committed (forced: it waits on its session row
-    for the liveness stamp, after it chose its job) still leases that job, which then runs as
-    a paused workspace's running job does; the next claim hands out nothing."""
-    async with pool.acquire() as claimer, pool.acquire() as admin:
-        session = await manual_session(claimer, workspace)
-        await claimer.execute(
-            "UPDATE runner_sessions SET updated_at = now() - interval '1 hour' WHERE id = $1",
-            session.runner_session_id,
-        )
-        jobs = [new_job(workspace, ["linux"], queued_at=minutes_ago(2 - n)) for n in range(2)]
-        await queue.enqueue(claimer, jobs)
-        found: list[ClaimedJob | None] = []
 
         async def claim() -> None:
             found.append(
@@ -263,9 +220,48 @@ async def test_q75_a_claim_statement_already_running_when_the_pause_commits_may_
             ):
                 group.start_soon(claim)
                 await wait_until_blocked(observer, claimer.get_server_pid())
-                assert (await _set(admin, PauseKind.WORKSPACE, workspace, True)).changed
-    assert len(found) == 1 and found[0] is not None
-    assert found[0].identity == jobs[0].identity
+                paused = await _set(admin, PauseKind.WORKSPACE, session.workspace_id, True)
+                assert paused.changed
+                # The row is released here; the claim goes on, and the group waits for it.
+    [claimed] = found
+    return claimed
+
+
+async def test_q74_a_claim_waiting_on_its_session_row_when_the_pause_commits_hands_out_nothing(
+    pool: asyncpg.Pool, observer: asyncpg.Connection, database_url: str, workspace: UUID
+) -> None:
+    """The forced race: a capped claim waits for its session row (held by a second connection);
+    the workspace pause commits meanwhile; the row is released. The claim statement that then
+    runs starts after the pause committed, so it hands out nothing and the job stays queued."""
+    session = await capped_session(observer, workspace)
+    job = new_job(workspace, ["linux"])
+    await queue.enqueue(observer, [job])
+
+    assert await _claim_racing_a_pause(pool, observer, database_url, session) is None
+
+    assert await _pending(observer, workspace) == [job.identity.job_execution_id]
+    running = "SELECT count(*) FROM running_jobs WHERE workspace_id = $1"
+    assert await observer.fetchval(running, workspace) == 0
+
+
+async def test_q75_a_claim_statement_already_running_when_the_pause_commits_may_lease_one_job(
+    pool: asyncpg.Pool, observer: asyncpg.Connection, database_url: str, workspace: UUID
+) -> None:
+    """The exact boundary: a claim statement reads the pause in its snapshot, taken when it
+    starts. One that started before the pause committed (forced: it waits on its session row
+    for the liveness stamp, after it chose its job) still leases that job, which then runs as
+    a paused workspace's running job does; the next claim hands out nothing."""
+    session = await manual_session(observer, workspace)
+    await observer.execute(
+        "UPDATE runner_sessions SET updated_at = now() - interval '1 hour' WHERE id = $1",
+        session.runner_session_id,
+    )
+    jobs = [new_job(workspace, ["linux"], queued_at=minutes_ago(2 - n)) for n in range(2)]
+    await queue.enqueue(observer, jobs)
+
+    claimed = await _claim_racing_a_pause(pool, observer, database_url, session)
+
+    assert claimed is not None and claimed.identity == jobs[0].identity
     async with pool.acquire() as conn:
         assert await claiming.claim(conn, session) is None
     assert await _pending(observer, workspace) == [jobs[1].identity.job_execution_id]

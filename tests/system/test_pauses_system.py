@@ -3,26 +3,20 @@ handling of the "paused" answer (Q-81)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from controlplane.agent.runner import Runner, RunnerOptions
 from tests.system import agents
 from tests.system.conftest import SpawnDaemon
+from tests.system.test_runner_agent import ScriptedControlPlane, serving
 from tests.system.wire import job_body
 
 pytestmark = pytest.mark.system
@@ -110,22 +104,9 @@ async def test_q80_a_pause_and_a_resume_on_one_replica_reach_runners_parked_on_t
 # one with 409 runner-session-exhausted, so the runner exits 0 after the second request.
 
 
-class PausingControlPlane:
+class PausingControlPlane(ScriptedControlPlane):
     def __init__(self) -> None:
-        self.requests: list[float] = []
-
-    async def register(self, _request: Request) -> Response:
-        return JSONResponse(
-            {
-                "session_token": "cp_rs_scripted",
-                "session_id": str(uuid.uuid4()),
-                "mode": "manual",
-                "max_claims": None,
-                "labels": ["linux"],
-                "heartbeat_interval_seconds": 1.0,
-                "long_poll_max_seconds": 1.0,
-            }
-        )
+        super().__init__([])
 
     async def request_job(self, _request: Request) -> Response:
         self.requests.append(anyio.current_time())
@@ -136,43 +117,13 @@ class PausingControlPlane:
         error: dict[str, Any] = {"code": "runner-session-exhausted", "message": "", "details": {}}
         return JSONResponse({"error": error}, status_code=409)
 
-    def app(self) -> Starlette:
-        return Starlette(
-            routes=[
-                Route("/v1/runners/register", self.register, methods=["POST"]),
-                Route("/v1/runners/jobs/request", self.request_job, methods=["POST"]),
-            ]
-        )
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-@asynccontextmanager
-async def _serving(app: Starlette) -> AsyncIterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = _Server(uvicorn.Config(app, log_config=None, lifespan="off"))
-    async with anyio.create_task_group() as group:
-        group.start_soon(lambda: server.serve(sockets=[sock]))
-        with anyio.fail_after(10):
-            while not server.started:
-                await anyio.sleep(0.01)
-        try:
-            yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-        finally:
-            server.should_exit = True
-
 
 async def test_q81_the_reference_runner_waits_the_paused_retry_after_before_asking_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     scripted = PausingControlPlane()
     caplog.set_level("INFO", logger="controlplane.agent.runner")
-    async with _serving(scripted.app()) as address:
+    async with serving(scripted) as address:
         options = RunnerOptions(url=address, token="cp_mrt_x", labels=["linux"])
         with anyio.fail_after(30):
             assert await Runner(options, handle_signals=False).run() == 0
