@@ -42,7 +42,8 @@ _BODY = (
     "the first change's `since` and `reason`. Effective on every replica within a second: "
     "each replica's claims read the state from the database, and a notification reaches the "
     "parked requests. Audited in the event feed ({events}) with `by` (the admin key's id), "
-    "`by_name` and `reason`."
+    "`by_name` and `reason`. 409 `conflict` only when concurrent pauses and resumes of the "
+    "target kept changing it while this one read it three times; retry."
 )
 
 
@@ -52,7 +53,7 @@ def _op(summary: str, events: str, notes: str, errors: str = "") -> Op:
         ADM,
         wire.PauseRequest,
         wire.PauseOut,
-        errors,
+        f"{errors} conflict".strip(),
         optional_body=True,
         notes=f"{notes} {_BODY.format(events=events)}",
     )
