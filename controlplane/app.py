@@ -269,7 +269,7 @@ class Daemon:
         assignments = AssignmentBoard()
 
         def reconnected() -> None:
-            dispatcher.forget_pauses()
+            dispatcher.paused.forget()
             dispatcher.wake_all()
             demand.wake_all()
             cancels.wake_all()

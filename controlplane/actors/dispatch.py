@@ -32,10 +32,9 @@ request handler marks a waiter abandoned when its deadline passes or its client 
 the same event-loop step as it stops waiting, so exactly one side owns the job: a claim made for
 an abandoned waiter is put back at its original queue position at once, never left to expire.
 
-Pauses (store/pauses.py). The claim statements refuse a paused workspace or session themselves;
-the dispatcher only answers people. A NOTIFY that a runner session was paused answers its parked
-waiters with `RunnerPaused` (the handler's "paused" 204) and wakes the actor; the session's later
-requests are answered at once until a resume is heard. A workspace's resume wakes its actor.
+Pauses: the claim statements refuse paused workspaces and sessions (store/pauses.py). A NOTIFY
+that a session was paused answers its waiters `RunnerPaused` (a "paused" 204), and its later
+requests at once while `paused` (actors/paused.py) holds it.
 
 Bounds: at most `max_waiters` per workspace (then the request is refused as overloaded); the hint
 holds at most `_MAX_HINTS` label sets before it collapses to "all".
@@ -54,6 +53,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from controlplane import metrics
+from controlplane.actors.paused import PausedSessions
 from controlplane.domain.jobs import ClaimedJob, SessionClaims
 from controlplane.domain.labels import LabelSet
 from controlplane.errors import ControlPlaneError, RunnerPaused, ShuttingDown, Unavailable
@@ -63,9 +63,6 @@ from controlplane.store.claiming import MAX_BATCH, ProvisionedClaim
 log = logging.getLogger("controlplane.dispatch")
 
 _MAX_HINTS = 64
-# Runner sessions heard paused (NOTIFY cp_paused). Past this many the set is forgotten: the
-# database still refuses them, their polls only park instead of being answered "paused".
-_MAX_PAUSED = 100_000
 _PUT_BACK_ATTEMPTS = 3
 _ALL = None  # a hint of None means: anything may have changed
 
@@ -225,8 +222,7 @@ class WorkspaceActor:
         self._wake.set()
 
     def answer_paused(self, runner_session_id: UUID) -> None:
-        """Answer a paused session's parked requests; wake the rest, which a claim that found
-        nothing because of it may have left marked empty."""
+        """Answer a paused session's waiters; wake the rest (a claim may have cached empty)."""
         for waiter in [*self._waiters, *self._new]:
             if waiter.session.runner_session_id == runner_session_id:
                 waiter.fail(RunnerPaused("this runner is paused"))
@@ -420,7 +416,7 @@ class Dispatcher:
         self._actors: dict[UUID, WorkspaceActor] = {}
         self._group: TaskGroup | None = None
         self._closed = False
-        self._paused: set[UUID] = set()  # runner sessions heard paused, not heard resumed
+        self.paused = PausedSessions()
 
     @property
     def parked(self) -> int:
@@ -442,7 +438,7 @@ class Dispatcher:
         if self._closed or self._group is None:
             waiter.fail(ShuttingDown("the server is shutting down"))
             return
-        if waiter.session.runner_session_id in self._paused:
+        if self.paused.holds(waiter.session.runner_session_id):
             waiter.fail(RunnerPaused("this runner is paused"))
             return
         actor = self._actors.get(waiter.session.workspace_id)
@@ -466,27 +462,12 @@ class Dispatcher:
         if actor is not None:
             actor.wake(labels)
 
-    def is_paused(self, runner_session_id: UUID) -> bool:
-        return runner_session_id in self._paused
-
     def runner_paused(self, workspace_id: UUID, runner_session_id: UUID, paused: bool) -> None:
-        """A runner session was paused or resumed (NOTIFY from store/pauses.py, any replica):
-        a paused one's parked requests are answered "paused" now, its later ones at once."""
-        if not paused:
-            self._paused.discard(runner_session_id)
-            return
-        if len(self._paused) >= _MAX_PAUSED:
-            self._paused.clear()
-        self._paused.add(runner_session_id)
+        """A runner session was paused or resumed (NOTIFY from store/pauses.py, any replica)."""
+        self.paused.note(runner_session_id, paused)
         actor = self._actors.get(workspace_id)
-        if actor is not None:
+        if paused and actor is not None:
             actor.answer_paused(runner_session_id)
-
-    def forget_pauses(self) -> None:
-        """After a listener reconnect: pauses and resumes may have been missed, and a runner
-        wrongly held "paused" could never learn otherwise, so forget them all (the claim still
-        reads the database, so a paused runner's polls park and find nothing)."""
-        self._paused.clear()
 
     def wake_all(self) -> None:
         for actor in self._actors.values():

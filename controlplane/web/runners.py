@@ -315,7 +315,7 @@ async def _request_job(svc: Deps, request: Request) -> Response:
     asked = decode(request, JobRequestQuery, svc.settings).wait
     wait = limit if asked is None else asked
     if wait == 0:
-        if svc.dispatcher.is_paused(session.runner_session_id):
+        if svc.dispatcher.paused.holds(session.runner_session_id):
             return _paused(svc)
         async with borrow(svc.pool) as conn:
             job = await claiming.claim(conn, session, liveness_throttle=svc.liveness_throttle)

@@ -58,9 +58,9 @@ async def test_a_listener_reconnect_forgets_pauses_so_no_runner_is_held_paused_w
     async def body(dispatcher: Dispatcher) -> None:
         first = waiter("linux")
         dispatcher.runner_paused(WORKSPACE, first.session.runner_session_id, True)
-        assert dispatcher.is_paused(first.session.runner_session_id)
-        dispatcher.forget_pauses()
-        assert not dispatcher.is_paused(first.session.runner_session_id)
+        assert dispatcher.paused.holds(first.session.runner_session_id)
+        dispatcher.paused.forget()
+        assert not dispatcher.paused.holds(first.session.runner_session_id)
         dispatcher.park(first)  # parks: the claim path alone now keeps it from a job
         await anyio.sleep(1)
         assert first.state is WaiterState.WAITING

@@ -85,7 +85,7 @@ async def test_q76_a_paused_runners_parked_poll_is_answered_paused_at_once_until
 
     resumed = await _admin(api, f"runners/{session_id}/resume")
     assert resumed.status_code == 200 and resumed.json()["paused"] is False
-    await _until(lambda: not dispatcher.is_paused(uuid.UUID(session_id)))
+    await _until(lambda: not dispatcher.paused.holds(uuid.UUID(session_id)))
     got = await api.request_job(token, wait=10)
     assert got.status_code == 200, got.text
 
