@@ -38,6 +38,7 @@ from controlplane.actors.maintenance.reaper import LeaseReaper, PoolReaperStore
 from controlplane.actors.maintenance.retention import PoolRetentionStore, Retention
 from controlplane.actors.maintenance.sessions import PoolSessionStore, SessionCleanup
 from controlplane.actors.provisioning import DemandBoard
+from controlplane.domain import pauses
 from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.settings import Settings
@@ -47,6 +48,7 @@ from controlplane.store.embedded import EmbeddedPostgres
 from controlplane.store.events import EVENTS_CHANNEL
 from controlplane.store.leases import CANCEL_CHANNEL
 from controlplane.store.locks import LeaderLock
+from controlplane.store.pauses import PAUSED_CHANNEL
 from controlplane.store.pool import PoolSettings, borrow, connect, create_pool
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
 from controlplane.web import app as web_app
@@ -176,6 +178,25 @@ def _on_enqueued(
     return wake
 
 
+def _on_paused(dispatcher: Dispatcher, demand: DemandBoard) -> Callable[[str], None]:
+    """A pause changed (store/pauses.py): a paused runner's parked polls are answered, a resumed
+    workspace's parked runners claim at once, a drain or undrain changes what provisioners may
+    bind (and a drained idle runner leaves its template's warm pool)."""
+
+    def changed(payload: str) -> None:
+        change = pauses.parse_change(payload)
+        if change is None:
+            return
+        if change.kind is pauses.PauseKind.RUNNER and change.workspace_id is not None:
+            dispatcher.runner_paused(change.workspace_id, change.target_id, change.paused)
+        elif change.kind is pauses.PauseKind.WORKSPACE and not change.paused:
+            dispatcher.wake(change.target_id, None)
+        elif change.kind is pauses.PauseKind.RUNNER_INSTANCE:
+            demand.wake_all()
+
+    return changed
+
+
 def _on_cancel(cancels: CancelBoard, demand: DemandBoard) -> Callable[[str], None]:
     def wake(payload: str) -> None:
         cancels.notify(payload)
@@ -259,6 +280,7 @@ class Daemon:
         )
 
         def reconnected() -> None:
+            dispatcher.paused.forget()
             dispatcher.wake_all()
             demand.wake_all()
             cancels.wake_all()
@@ -269,6 +291,7 @@ class Daemon:
             {
                 queue.ENQUEUED_CHANNEL: _on_enqueued(dispatcher, demand, pulse),
                 CANCEL_CHANNEL: _on_cancel(cancels, demand),
+                PAUSED_CHANNEL: _on_paused(dispatcher, demand),
                 EVENTS_CHANNEL: lambda _payload: feed.poke(),
                 TAKEOVER_CHANNEL: control.notify,
                 reservations.ASSIGNED_CHANNEL: assignments.notify,

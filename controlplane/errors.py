@@ -336,6 +336,13 @@ class ShuttingDown(Unavailable):
 # ------------------------------------------------------------------------ 500, never on the wire
 
 
+class RunnerPaused(ControlPlaneError):
+    """a paused runner's job request: answered 204 with `Controlplane-Paused` and a
+    `Retry-After` of runners.paused_retry_seconds, never as an error body"""
+
+    code = "runner-paused"
+
+
 class ConfigError(ControlPlaneError):
     """a setting is missing, malformed or out of range (at start-up)"""
 

@@ -38,6 +38,18 @@ put_backs = Counter(
     "Claims returned to the queue because their runner was gone.",
     registry=REGISTRY,
 )
+paused_answers = Counter(
+    "controlplane_paused_answers_total",
+    'Job requests answered "paused" (204 Controlplane-Paused), parked or new.',
+    registry=REGISTRY,
+)
+pause_changes = Counter(
+    "controlplane_pause_changes_total",
+    "Pause changes made through this replica, by kind (workspace, runner, runner_instance) "
+    "and action (pause, resume; drain and undrain for a runner instance).",
+    ["kind", "action"],
+    registry=REGISTRY,
+)
 parked_runners = Gauge(
     "controlplane_parked_runners", "Job requests held on a long poll.", registry=REGISTRY
 )
@@ -52,6 +64,14 @@ pending_jobs = Gauge(
 running_jobs = Gauge(
     "controlplane_running_job_executions",
     "Leased job executions (all replicas).",
+    registry=REGISTRY,
+)
+paused_workspaces = Gauge(
+    "controlplane_paused_workspaces", "Paused workspaces (all replicas).", registry=REGISTRY
+)
+paused_runners = Gauge(
+    "controlplane_paused_runner_sessions",
+    "Paused runner sessions (all replicas).",
     registry=REGISTRY,
 )
 connections_closed = Counter(

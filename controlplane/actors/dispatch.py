@@ -32,6 +32,10 @@ request handler marks a waiter abandoned when its deadline passes or its client 
 the same event-loop step as it stops waiting, so exactly one side owns the job: a claim made for
 an abandoned waiter is put back at its original queue position at once, never left to expire.
 
+Pauses: the claim statements refuse paused workspaces and sessions (store/pauses.py). A NOTIFY
+that a session was paused answers its waiters `RunnerPaused` (a "paused" 204), and its later
+requests at once while `paused` (actors/paused.py) holds it.
+
 Bounds: at most `max_waiters` per workspace (then the request is refused as overloaded); the hint
 holds at most `_MAX_HINTS` label sets before it collapses to "all".
 """
@@ -49,9 +53,10 @@ import anyio
 from anyio.abc import TaskGroup
 
 from controlplane import metrics
+from controlplane.actors.paused import PausedSessions
 from controlplane.domain.jobs import ClaimedJob, SessionClaims
 from controlplane.domain.labels import LabelSet
-from controlplane.errors import ControlPlaneError, ShuttingDown, Unavailable
+from controlplane.errors import ControlPlaneError, RunnerPaused, ShuttingDown, Unavailable
 from controlplane.retry import Backoff
 from controlplane.store.claiming import MAX_BATCH, ProvisionedClaim
 
@@ -215,6 +220,13 @@ class WorkspaceActor:
                 self._hint = _ALL
                 self._empty = []
         self._wake.set()
+
+    def answer_paused(self, runner_session_id: UUID) -> None:
+        """Answer a paused session's waiters; wake the rest (a claim may have cached empty)."""
+        for waiter in [*self._waiters, *self._new]:
+            if waiter.session.runner_session_id == runner_session_id:
+                waiter.fail(RunnerPaused("this runner is paused"))
+        self.wake(None)
 
     def drain(self, error: ControlPlaneError) -> None:
         for waiter in [*self._waiters, *self._new]:
@@ -404,6 +416,7 @@ class Dispatcher:
         self._actors: dict[UUID, WorkspaceActor] = {}
         self._group: TaskGroup | None = None
         self._closed = False
+        self.paused = PausedSessions()
 
     @property
     def parked(self) -> int:
@@ -425,6 +438,9 @@ class Dispatcher:
         if self._closed or self._group is None:
             waiter.fail(ShuttingDown("the server is shutting down"))
             return
+        if self.paused.holds(waiter.session.runner_session_id):
+            waiter.fail(RunnerPaused("this runner is paused"))
+            return
         actor = self._actors.get(waiter.session.workspace_id)
         if actor is None:
             actor = WorkspaceActor(
@@ -445,6 +461,13 @@ class Dispatcher:
         actor = self._actors.get(workspace_id)
         if actor is not None:
             actor.wake(labels)
+
+    def runner_paused(self, workspace_id: UUID, runner_session_id: UUID, paused: bool) -> None:
+        """A runner session was paused or resumed (NOTIFY from store/pauses.py, any replica)."""
+        self.paused.note(runner_session_id, paused)
+        actor = self._actors.get(workspace_id)
+        if paused and actor is not None:
+            actor.answer_paused(runner_session_id)
 
     def wake_all(self) -> None:
         for actor in self._actors.values():

@@ -1,6 +1,6 @@
 """What an operator runs against a daemon with an admin key: list, show and cancel job
-executions, list runners and provisioners. Tables for people; `--json` for scripts (the API's
-own objects, one JSON document)."""
+executions, list runners and provisioners, pause and resume workspaces and runners. Tables for
+people; `--json` for scripts (the API's own objects, one JSON document)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import msgspec
 
 from controlplane.agent import api
 from controlplane.agent.queue_client import call, decode, provisioner_pages, table, when
-from controlplane.wire.admin import ActiveRunners, WorkspaceSettingsOut
+from controlplane.wire.admin import ActiveRunners, PauseOut, WorkspaceSettingsOut
 from controlplane.wire.jobs import JobCancelled, JobDetail, JobList, JobOut
 
 T = TypeVar("T")
@@ -173,6 +173,31 @@ async def workspace_settings(
     else:
         change = "set" if done.changed else "already set"
         _say(f"workspace {workspace}: ordering {done.ordering} ({change})")
+    return 0
+
+
+def pause_line(state: PauseOut, now: datetime) -> str:
+    """One line: what the target is now, and whether this request changed it."""
+    kind = state.kind.replace("_", " ")
+    if not state.paused:
+        verb = "drained" if state.kind == "runner_instance" else "paused"
+        return f"{kind} {state.id} {'is no longer' if state.changed else 'was not'} {verb}"
+    verb = "drained" if state.kind == "runner_instance" else "paused"
+    how = verb if state.changed else f"was already {verb}"
+    reason = "" if state.reason is None else f" ({state.reason})"
+    return f"{kind} {state.id} {how}, since {_age(state.since, now)}{reason}"
+
+
+async def pause_change(url: str, key: str, path: str, reason: str | None, *, as_json: bool) -> int:
+    """POST one pause, resume, drain or undrain (`path`), with the reason when given."""
+    body = {} if reason is None else {"reason": reason}
+    async with api.client(url) as http:
+        answer = await call(http, "POST", path, headers=api.bearer(key), json=body)
+    state = decode(answer, PauseOut)
+    if as_json:
+        _json(state)
+    else:
+        _say(pause_line(state, datetime.now(UTC)))
     return 0
 
 

@@ -9,6 +9,8 @@ How it treats each answer (spec/surface.md §7, adapted to the long-poll):
 * job request 200: run the job (agent/job.py), then ask again.
 * job request 204: the server already waited; ask again at once (after `Retry-After`, which is
   0 except while the daemon shuts down).
+* job request 204 with `Controlplane-Paused`: an operator paused this runner session; ask again
+  after its `Retry-After` (runners.paused_retry_seconds on the server, at most an hour here).
 * job request 401: the session token is no longer accepted (expired, or signed by a key the
   daemon no longer has): register again with the same registration token.
 * job request 409 `runner-session-exhausted`: exit 0.
@@ -36,12 +38,13 @@ import msgspec
 from controlplane.agent import api, managed
 from controlplane.agent.job import Abort, JobRun
 from controlplane.retry import Backoff
-from controlplane.wire.runners import JobResponse, RegisterResponse
+from controlplane.wire.runners import PAUSED_HEADER, JobResponse, RegisterResponse
 
 log = logging.getLogger("controlplane.agent.runner")
 
 _TRANSPORT_MARGIN_SECONDS = 15.0
 _MAX_RETRY_AFTER_SECONDS = 5.0
+_MAX_PAUSED_RETRY_SECONDS = 3600.0  # the most runners.paused_retry_seconds can be
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,12 @@ class Exhausted(Exception):
     """The session may take no more jobs."""
 
 
-def _retry_after(response: httpx.Response) -> float:
+def _retry_after(response: httpx.Response, ceiling: float = _MAX_RETRY_AFTER_SECONDS) -> float:
     try:
         seconds = float(response.headers.get("retry-after", "0"))
     except ValueError:
         return 0.0
-    return max(0.0, min(seconds, _MAX_RETRY_AFTER_SECONDS))
+    return max(0.0, min(seconds, ceiling))
 
 
 class Runner:
@@ -199,6 +202,10 @@ class Runner:
             return None, 0.0
         self._fresh_session = False
         if status == 204:
+            if PAUSED_HEADER in response.headers:
+                pause = _retry_after(response, _MAX_PAUSED_RETRY_SECONDS)
+                log.info("runner.paused", extra={"retry_after_seconds": pause})
+                return None, pause
             return None, _retry_after(response)
         if status == 200:
             try:

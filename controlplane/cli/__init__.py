@@ -237,6 +237,26 @@ def _admin_options(command: argparse.ArgumentParser, url_help: str) -> None:
     )
 
 
+_WORKSPACE_PAUSE = (
+    "its jobs are still enqueued but none is handed to a runner until it is resumed; runners "
+    "wait, and running jobs finish"
+)
+_RUNNER_PAUSE = (
+    "its running job finishes; it takes no new one, and its job requests are answered "
+    '"paused" (it asks again after runners.paused_retry_seconds) until it is resumed'
+)
+
+
+def _pause_commands(actions: Any, url_help: str, noun: str, what: str, effect: str) -> None:
+    """`pause ID` and `resume ID` (idempotent; audited in the event feed with --reason)."""
+    for action, help_text in (("pause", f"pause a {what}: {effect}"), ("resume", "undo a pause")):
+        command = actions.add_parser(action, help=help_text)
+        _admin_options(command, url_help)
+        command.add_argument("id", type=UUID, help=f"the {what} id")
+        command.add_argument("--reason", help="why, kept in the audit event (1-512 characters)")
+        command.set_defaults(client="clients:_cmd_pause", noun=noun)
+
+
 def _admin_commands(commands: Any, url_help: str) -> None:
     """jobs, runners and provisioners: what an operator looks at and steers (admin key)."""
     jobs = commands.add_parser(
@@ -284,11 +304,12 @@ examples:
 
     workspaces = commands.add_parser(
         "workspaces",
-        help="set a workspace's settings",
+        help="set a workspace's settings, pause or resume its queue",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="""\
-A workspace's settings. `ordering`: fifo (the default: priority, then age) or fair (the project
-with the fewest running executions first, then priority, then age).
+A workspace's settings, and pausing its queue. `ordering`: fifo (the default: priority, then
+age) or fair (the project with the fewest running executions first, then priority, then age).
+`pause` stops claims in the workspace (enqueue still works); `resume` lifts it.
 
 example: controlplane workspaces settings 59ef630e-144a-4ff9-abbe-69642a043207 --ordering fair""",
     )
@@ -298,9 +319,11 @@ example: controlplane workspaces settings 59ef630e-144a-4ff9-abbe-69642a043207 -
     settings.add_argument("workspace", type=UUID, help="the workspace id")
     settings.add_argument("--ordering", required=True, choices=["fifo", "fair"])
     settings.set_defaults(client="clients:_cmd_workspaces_settings")
+    _pause_commands(workspace_actions, url_help, "workspaces", "workspace", _WORKSPACE_PAUSE)
 
-    runners = commands.add_parser("runners", help="list runners seen recently")
+    runners = commands.add_parser("runners", help="list, pause or resume runners")
     runner_actions = runners.add_subparsers(dest="action", required=True, metavar="ACTION")
+    _pause_commands(runner_actions, url_help, "runners", "runner session", _RUNNER_PAUSE)
     runner_list = runner_actions.add_parser(
         "list", help="runner sessions seen recently, busy or idle (manual and provisioned)"
     )

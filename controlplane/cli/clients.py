@@ -180,6 +180,18 @@ def _cmd_runners_list(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_pause(args: argparse.Namespace) -> int:
+    """workspaces pause|resume, runners pause|resume: `args.noun` and `args.action` name the
+    route (/v1/admin/<noun>/<id>/<action>)."""
+    from controlplane.agent import admin_client
+
+    key = _admin_key(args)
+    path = f"/v1/admin/{args.noun}/{args.id}/{args.action}"
+    return anyio.run(
+        lambda: admin_client.pause_change(args.url, key, path, args.reason, as_json=args.json)
+    )
+
+
 def _cmd_provisioners_list(args: argparse.Namespace) -> int:
     from controlplane.agent import admin_client
 

@@ -37,8 +37,9 @@ class BindTarget:
 
 
 def is_idle(runner: ProvisionedRunner, *, live: Set[UUID], now: datetime) -> bool:
-    """Enrolled, running, not activated, not released, and protected by no live reservation
-    (assigned or intended): a live one means it is booting or inside its activation grace."""
+    """Enrolled, running, not activated, not released, not drained, and protected by no live
+    reservation (assigned or intended): a live one means it is booting or inside its activation
+    grace."""
     protected = (runner.reservation_id in live) or (runner.intended_reservation_id in live)
     return (
         runner.state is RunnerState.RUNNING
@@ -47,6 +48,7 @@ def is_idle(runner: ProvisionedRunner, *, live: Set[UUID], now: datetime) -> boo
         and runner.control_session_expires_at > now
         and runner.runner_session_id is None
         and not runner.released
+        and runner.drained_at is None  # drained by an operator (store/pauses.py)
         and not protected
         # A workspace without a reservation is an assignment nobody can release: never idle.
         and (runner.workspace_id is None or runner.reservation_id is not None)

@@ -142,6 +142,7 @@ class ProvisionedRunner:
     runner_session_id: UUID | None = None
     reservation_released_at: datetime | None = None
     control_session_expires_at: datetime | None = None
+    drained_at: datetime | None = None  # an operator drained it: never bound to new demand
 
     @property
     def released(self) -> bool:

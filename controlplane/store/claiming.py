@@ -34,6 +34,14 @@ MAX_BUSY_HEADS = 16
 MAX_STEPPED_OVER = 1000
 
 
+# Pauses (store/pauses.py): nothing is handed out in a paused workspace (store/ordering.py's
+# CLAIMABLE), nor to a paused session: primary-key probes of tables holding one row per paused
+# thing, in the statement's snapshot, so a claim statement that starts after a pause committed
+# hands out nothing. A batch serves only its sessions that are not paused (`wanted`), the k-th
+# admitted row to the k-th of them.
+_SESSION_NOT_PAUSED = "NOT EXISTS (SELECT 1 FROM paused_runners WHERE runner_session_id = $4)"
+
+
 @dataclass(frozen=True, slots=True)
 class ProvisionedClaim(ClaimedJob):
     """A claim by a capped session of a provisioner's runner, with what the queue-time and
@@ -100,7 +108,8 @@ async def claim(
     execution lock first, then the pending row).
 
     An orphan (a pending row whose execution already has a lease) is deleted and stepped over;
-    it spends no claim and writes no event.
+    it spends no claim and writes no event. A paused workspace or session finds nothing
+    (`_SESSION_NOT_PAUSED`, and store/ordering.py's CLAIMABLE).
     """
     if not session.labels:
         await touch_session(conn, session, liveness_throttle)
@@ -172,7 +181,7 @@ _LOGGED = f"""logged AS (
 # admission are store/ordering.py's (priority, concurrency keys, fair share).
 _CLAIM = f"""
 WITH candidate AS MATERIALIZED (
-    {ordering.candidates("1")}
+    {ordering.candidates("1", also=_SESSION_NOT_PAUSED)}
 ), {ordering.ADMISSION}, taken AS (
     DELETE FROM pending_jobs WHERE id = (SELECT id FROM admitted)
     RETURNING id, {IDENTITY_COLUMNS}, required_labels, payload, created_at,
@@ -200,7 +209,7 @@ SELECT c.id AS candidate, c.locked, (SELECT count(*) FROM logged) AS logged,
        l.workflow_run_attempt_id, l.job_id, l.job_execution_id, l.project_id, l.required_labels,
        l.payload::text AS payload, l.queued_at, l.started_at
 FROM (SELECT 1) AS one LEFT JOIN candidate c ON true LEFT JOIN leased l ON true
-"""  # noqa: S608 -- interpolates constants only: store/ordering.py's SQL, IDENTITY_COLUMNS, _LOGGED
+"""  # noqa: S608 -- constants only: store/ordering.py's SQL, IDENTITY_COLUMNS, _LOGGED, the pause probe
 
 
 async def _claim_attempts(
@@ -256,9 +265,11 @@ MAX_BATCH = 100
 # liveness touch: the dispatcher stamps parked sessions in batches.
 _CLAIM_BATCH = f"""
 WITH wanted AS (
-    SELECT session_id, ord FROM unnest($4::uuid[]) WITH ORDINALITY AS t(session_id, ord)
+    SELECT session_id, row_number() OVER (ORDER BY given) AS ord
+    FROM unnest($4::uuid[]) WITH ORDINALITY AS t(session_id, given)
+    WHERE NOT EXISTS (SELECT 1 FROM paused_runners WHERE runner_session_id = t.session_id)
 ), candidate AS MATERIALIZED (
-    {ordering.candidates("cardinality($4::uuid[])")}
+    {ordering.candidates("(SELECT count(*) FROM wanted)")}
 ), {ordering.ADMISSION}, taken AS (
     DELETE FROM pending_jobs AS p USING admitted c WHERE p.id = c.id
     RETURNING p.id, {_columns("p", IDENTITY_COLUMNS)},

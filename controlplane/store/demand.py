@@ -119,6 +119,7 @@ async def _bind(
          WHERE ri.id = ANY($1::uuid[]) AND ri.provisioner_id = $4 AND ri.state = 'running'
            AND ri.provider_runner_id IS NOT NULL AND ri.labels @> $5::text[]
            AND ri.runner_session_id IS NULL AND ri.reservation_released_at IS NULL
+           AND ri.drained_at IS NULL
            AND EXISTS (SELECT 1 FROM runner_control_sessions cs
                         WHERE cs.runner_instance_id = ri.id
                           AND cs.provisioner_id = ri.provisioner_id

@@ -63,7 +63,8 @@ CLAIMABLE = """workspace_id = $1 AND required_labels <@ $2::text[]
                  OR EXISTS (SELECT 1 FROM concurrency_keys k
                             WHERE k.workspace_id = $1
                               AND k.concurrency_key = pending_jobs.concurrency_key
-                              AND k.running < pending_jobs.concurrency_limit))"""
+                              AND k.running < pending_jobs.concurrency_limit))
+            AND NOT EXISTS (SELECT 1 FROM paused_workspaces WHERE workspace_id = $1)"""
 
 # The plain claim's order, walked on the index.
 PLAIN_ORDER = "priority DESC, created_at, id"
@@ -71,17 +72,17 @@ PLAIN_ORDER = "priority DESC, created_at, id"
 _PICK_COLUMNS = "id, job_execution_id, concurrency_key, concurrency_limit, priority, created_at"
 
 
-def fifo_pick(limit: str) -> str:
+def fifo_pick(limit: str, also: str) -> str:
     """The first `limit` claimable rows in plain order, locked (SKIP LOCKED: a row another claim
     holds is not seen), for a workspace that does not order fairly."""
     return f"""SELECT {_PICK_COLUMNS} FROM pending_jobs
-          WHERE {CLAIMABLE} AND NOT {FAIR}
+          WHERE {CLAIMABLE} AND NOT {FAIR}{also}
           ORDER BY {PLAIN_ORDER}
           LIMIT {limit}
           FOR UPDATE SKIP LOCKED"""  # noqa: S608 -- constants and the caller's constant limit
 
 
-def fair_pick(limit: str) -> str:
+def fair_pick(limit: str, also: str) -> str:
     """The first `limit` claimable rows in fair order, not locked (the caller tries each row's
     lock, so a row another claim holds is stepped over, not silently replaced), for a workspace
     that orders fairly; `share` ranks them."""
@@ -92,25 +93,27 @@ def fair_pick(limit: str) -> str:
                                  AND r.project_id = pending_jobs.project_id), 0)
                      + row_number() OVER (PARTITION BY project_id ORDER BY {PLAIN_ORDER}) AS share
               FROM pending_jobs
-              WHERE {CLAIMABLE} AND {FAIR}) AS ranked
+              WHERE {CLAIMABLE} AND {FAIR}{also}) AS ranked
           ORDER BY share, {PLAIN_ORDER}
           LIMIT {limit}"""  # noqa: S608 -- constants and the caller's constant limit
 
 
-def candidates(limit: str) -> str:
+def candidates(limit: str, *, also: str = "") -> str:
     """The claim's candidates: up to `limit` rows with `locked` (the row and a try of its
     execution lock) and `rank` (1 is served first). Exactly one of the two picks runs, by the
-    workspace's ordering; the plain one is the claim's index walk as it was before ordering."""
+    workspace's ordering; the plain one is the claim's index walk as it was before ordering.
+    `also`: one more condition that does not depend on the row (a one-time filter)."""
+    also = f" AND {also}" if also else ""
     return f"""SELECT p.id, p.concurrency_key, p.concurrency_limit,
            row_number() OVER (ORDER BY p.priority DESC, p.created_at, p.id) AS rank,
            {try_execution_lock("p.job_execution_id")} AS locked
-    FROM ({fifo_pick(limit)}) AS p
+    FROM ({fifo_pick(limit, also)}) AS p
     UNION ALL
     SELECT f.id, f.concurrency_key, f.concurrency_limit,
            row_number() OVER (ORDER BY f.share, f.priority DESC, f.created_at, f.id),
            EXISTS (SELECT 1 FROM pending_jobs l WHERE l.id = f.id FOR UPDATE SKIP LOCKED)
            AND {try_execution_lock("f.job_execution_id")}
-    FROM ({fair_pick(limit)}) AS f"""  # noqa: S608 -- constants and the caller's constant limit
+    FROM ({fair_pick(limit, also)}) AS f"""  # noqa: S608 -- constants and the caller's constant limit
 
 
 # Admission of the locked candidates ($1 workspace): the key rows of the keyed ones, locked in

@@ -20,6 +20,8 @@ from controlplane.store.records import IDENTITY_COLUMNS, identity
 class QueueDepth:
     pending: int
     running: int
+    paused_workspaces: int = 0
+    paused_runners: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +51,14 @@ class ActiveLease:
 
 async def depth(conn: Conn) -> QueueDepth:
     row = await conn.fetchrow(
-        "SELECT (SELECT count(*) FROM pending_jobs) AS p, (SELECT count(*) FROM running_jobs) AS r"
+        """
+        SELECT (SELECT count(*) FROM pending_jobs) AS p, (SELECT count(*) FROM running_jobs) AS r,
+               (SELECT count(*) FROM paused_workspaces) AS pw,
+               (SELECT count(*) FROM paused_runners) AS pr
+        """
     )
     assert row is not None
-    return QueueDepth(pending=row["p"], running=row["r"])
+    return QueueDepth(row["p"], row["r"], row["pw"], row["pr"])
 
 
 async def workspace_counts(conn: Conn, workspace_ids: Sequence[UUID]) -> list[WorkspaceCounts]:

@@ -49,6 +49,7 @@ RUNNER_COLUMNS = """
     ri.id, ri.provisioner_id, ri.created_at, ri.state, ri.labels, ri.reported_at, ri.updated_at,
     ri.launch_kind, ri.template_key, ri.provider_runner_id, ri.workspace_id, ri.reservation_id,
     ri.intended_reservation_id, ri.assigned_at, ri.runner_session_id, ri.reservation_released_at,
+    ri.drained_at,
     (SELECT cs.expires_at FROM runner_control_sessions cs
       WHERE cs.runner_instance_id = ri.id AND cs.provisioner_id = ri.provisioner_id
         AND cs.closed_at IS NULL) AS control_session_expires_at
@@ -88,6 +89,7 @@ def runner_from_row(row: asyncpg.Record) -> ProvisionedRunner:
         runner_session_id=row["runner_session_id"],
         reservation_released_at=row["reservation_released_at"],
         control_session_expires_at=row["control_session_expires_at"],
+        drained_at=row["drained_at"],
     )
 
 

@@ -35,6 +35,7 @@ from controlplane.web import (
     jobs,
     openapi,
     orchestrator,
+    pauses,
     provisioners,
     runner_control,
     runners,
@@ -157,6 +158,7 @@ def _routes(replica: Replica | None) -> list[BaseRoute]:
             given(lambda r: eligibility.Deps(r.settings, r.pool, r.auth, r.demand.wake_all))
         ),
         *jobs.routes(given(lambda r: jobs.Deps(r.settings, r.pool, r.auth, r.feed))),
+        *pauses.routes(given(lambda r: pauses.Deps(r.settings, r.pool, r.auth))),
         *provisioners.routes(
             given(lambda r: provisioners.Deps(r.settings, r.pool, r.auth, r.keys))
         ),

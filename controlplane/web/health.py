@@ -101,6 +101,8 @@ async def metrics_text(svc: Deps, _request: Request) -> Response:
     if facts.depth is not None:  # else the gauges keep their last value; /readyz says why
         metrics.pending_jobs.set(facts.depth.pending)
         metrics.running_jobs.set(facts.depth.running)
+        metrics.paused_workspaces.set(facts.depth.paused_workspaces)
+        metrics.paused_runners.set(facts.depth.paused_runners)
     return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -30,6 +30,7 @@ from controlplane.errors import (
     RateLimitUnavailable,
     RegistrationRateLimited,
     RunnerLabelsReserved,
+    RunnerPaused,
     ShuttingDown,
 )
 from controlplane.settings import Settings
@@ -44,6 +45,7 @@ from controlplane.web.queries import decode
 from controlplane.wire.common import Capabilities
 from controlplane.wire.queries import HeartbeatQuery, JobRequestQuery
 from controlplane.wire.runners import (
+    PAUSED_HEADER,
     CompleteRequest,
     CompleteResponse,
     HeartbeatRequest,
@@ -77,8 +79,17 @@ class Deps:
 _P = KNOBS.provisioners
 _LEASE = "lease-job-mismatch running-job-execution-not-found"
 _NO_JOB = {
-    "description": "No job within `wait` (Retry-After: 0), or shutting down (Retry-After: 1)",
-    "headers": {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}},
+    "description": "No job within `wait` (Retry-After: 0), shutting down (Retry-After: 1), or "
+    f"the runner session is paused ({PAUSED_HEADER}: runner, Retry-After: "
+    "runners.paused_retry_seconds, default "
+    f"{KNOBS.runners.paused_retry_seconds})",
+    "headers": {
+        "Retry-After": {"schema": {"type": "string"}, "description": "seconds"},
+        PAUSED_HEADER: {
+            "schema": {"type": "string", "enum": ["runner"]},
+            "description": "present only on the paused answer",
+        },
+    },
 }
 
 
@@ -250,6 +261,13 @@ def _nothing() -> Response:
     return Response(status_code=204, headers={"Retry-After": "0"})
 
 
+def _paused(svc: Deps) -> Response:
+    """The "paused" answer: no job; ask again after runners.paused_retry_seconds."""
+    metrics.paused_answers.inc()
+    retry = str(svc.settings.runners.paused_retry_seconds)
+    return Response(status_code=204, headers={"Retry-After": retry, PAUSED_HEADER: "runner"})
+
+
 @operation(
     Op(
         "Long-poll for a job",
@@ -260,7 +278,10 @@ def _nothing() -> Response:
         JobRequestQuery,
         also={"204": _NO_JOB},
         notes="No request body is read. Claims the oldest compatible "
-        "pending job of the session's workspace; a claim whose client went away is put back.",
+        "pending job of the session's workspace; a claim whose client went away is put back. "
+        "A paused workspace hands out nothing (the request waits); a paused runner session's "
+        "request is answered 204 with `Controlplane-Paused: runner` at once, and a parked one "
+        "as soon as the pause commits on any replica (docs/policies.md).",
     )
 )
 async def request_job(svc: Deps, request: Request) -> Response:
@@ -294,6 +315,8 @@ async def _request_job(svc: Deps, request: Request) -> Response:
     asked = decode(request, JobRequestQuery, svc.settings).wait
     wait = limit if asked is None else asked
     if wait == 0:
+        if svc.dispatcher.paused.holds(session.runner_session_id):
+            return _paused(svc)
         async with borrow(svc.pool) as conn:
             job = await claiming.claim(conn, session, liveness_throttle=svc.liveness_throttle)
         if job is None:
@@ -307,6 +330,8 @@ async def _request_job(svc: Deps, request: Request) -> Response:
         # Nothing was delivered, and from now on nothing will be.
         if isinstance(waiter.error, ShuttingDown):
             return Response(status_code=204, headers={"Retry-After": "1"})
+        if isinstance(waiter.error, RunnerPaused):
+            return _paused(svc)
         if waiter.state is WaiterState.FAILED and waiter.error is not None:
             raise waiter.error
         return _nothing()

@@ -52,6 +52,24 @@ KeyRole = Annotated[
 ]
 
 
+class PauseRequest(Revoke):
+    """The optional body of a pause, resume, drain or undrain: why, recorded in the audit
+    event (`reason`), and answered with the state while it is paused or drained."""
+
+
+class PauseOut(Strict):
+    """A workspace's, runner session's or runner instance's pause state after the request.
+    `changed` is false when it was already so (nothing was written, no event)."""
+
+    kind: Literal["workspace", "runner", "runner_instance"]
+    id: UUID
+    workspace_id: UUID | None
+    paused: bool  # for a runner instance: drained
+    since: datetime | None
+    reason: str | None
+    changed: bool
+
+
 class CreateApiKey(Strict):
     kind: Literal["orchestrator", "admin", "workspace-admin"]
     name: Name

@@ -9,6 +9,10 @@ import msgspec
 
 from controlplane.wire.common import Capabilities, Labels, Strict, whole
 
+# The header of a job request's "paused" answer (204): the runner session is paused
+# (docs/policies.md, "Pause, resume, drain"); ask again after its Retry-After.
+PAUSED_HEADER = "Controlplane-Paused"
+
 
 class RegisterRequest(Strict):
     labels: Labels
