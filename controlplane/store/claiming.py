@@ -23,7 +23,13 @@ from controlplane.domain.labels import LabelSet
 from controlplane.errors import RunnerSessionExhausted
 from controlplane.store import activations, locks
 from controlplane.store.pool import Conn
-from controlplane.store.records import IDENTITY_COLUMNS, identity, json_value
+from controlplane.store.records import (
+    IDENTITY_COLUMNS,
+    POLICY_COLUMNS,
+    identity,
+    json_value,
+    qualified,
+)
 
 # How many busy FIFO heads a claim steps over before it gives up for this attempt. A head is busy
 # when another transaction holds its execution lock (an enqueue replay, a reconcile, the reaper).
@@ -172,16 +178,18 @@ WITH candidate AS MATERIALIZED (
     FROM (SELECT id, job_execution_id FROM pending_jobs
           WHERE workspace_id = $1 AND required_labels <@ $2::text[]
             AND NOT (id = ANY($3::uuid[]))
+            AND (expires_at IS NULL OR expires_at > now())
           ORDER BY created_at, id
           LIMIT 1
           FOR UPDATE SKIP LOCKED) AS p
 ), taken AS (
     DELETE FROM pending_jobs WHERE id = (SELECT id FROM candidate WHERE locked)
-    RETURNING id, {IDENTITY_COLUMNS}, required_labels, payload, created_at
+    RETURNING id, {IDENTITY_COLUMNS}, required_labels, payload, created_at, {POLICY_COLUMNS}
 ), leased AS (
     INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id, provisioner_id,
-        provider_runner_id, required_labels, runner_labels, payload, queued_at)
-    SELECT id, {IDENTITY_COLUMNS}, $4, $5, $6, required_labels, $2::text[], payload, created_at
+        provider_runner_id, required_labels, runner_labels, payload, queued_at, {POLICY_COLUMNS})
+    SELECT id, {IDENTITY_COLUMNS}, $4, $5, $6, required_labels, $2::text[], payload, created_at,
+           {POLICY_COLUMNS}
     FROM taken
     ON CONFLICT (job_execution_id) DO NOTHING
     RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
@@ -199,7 +207,7 @@ SELECT c.id AS candidate, c.locked, (SELECT count(*) FROM logged) AS logged,
        l.workflow_run_attempt_id, l.job_id, l.job_execution_id, l.project_id, l.required_labels,
        l.payload::text AS payload, l.queued_at, l.started_at
 FROM (SELECT 1) AS one LEFT JOIN candidate c ON true LEFT JOIN leased l ON true
-"""  # noqa: S608 -- interpolates constants only: _EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED
+"""  # noqa: S608 -- interpolates constants only: _EXECUTION_TRY_LOCK, IDENTITY_COLUMNS, _LOGGED, POLICY_COLUMNS
 
 
 async def _claim_attempts(
@@ -256,6 +264,7 @@ WITH wanted AS (
     FROM (SELECT id, job_execution_id, created_at FROM pending_jobs
           WHERE workspace_id = $1 AND required_labels <@ $2::text[]
             AND NOT (id = ANY($3::uuid[]))
+            AND (expires_at IS NULL OR expires_at > now())
           ORDER BY created_at, id
           LIMIT cardinality($4::uuid[])
           FOR UPDATE SKIP LOCKED) AS p
@@ -264,12 +273,12 @@ WITH wanted AS (
 ), taken AS (
     DELETE FROM pending_jobs AS p USING chosen c WHERE p.id = c.id
     RETURNING p.id, {", ".join(f"p.{c}" for c in IDENTITY_COLUMNS.split(", "))},
-              p.required_labels, p.payload, p.created_at, c.ord
+              p.required_labels, p.payload, p.created_at, c.ord, {qualified("p", POLICY_COLUMNS)}
 ), leased AS (
     INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id,
-        required_labels, runner_labels, payload, queued_at)
+        required_labels, runner_labels, payload, queued_at, {POLICY_COLUMNS})
     SELECT t.id, {", ".join(f"t.{c}" for c in IDENTITY_COLUMNS.split(", "))}, w.session_id,
-           t.required_labels, $2::text[], t.payload, t.created_at
+           t.required_labels, $2::text[], t.payload, t.created_at, {qualified("t", POLICY_COLUMNS)}
     FROM taken t JOIN wanted w ON w.ord = t.ord
     ON CONFLICT (job_execution_id) DO NOTHING
     RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,

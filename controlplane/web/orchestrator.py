@@ -15,11 +15,13 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane import metrics
 from controlplane.actors.feed import FeedWatch
+from controlplane.domain import lifetimes
 from controlplane.domain.credentials import Credential
 from controlplane.domain.jobs import JobIdentity, NewJob, Outcome
 from controlplane.domain.labels import canonicalise
 from controlplane.domain.waiting import why_waiting
 from controlplane.errors import InvalidInput, NotFound, PayloadTooLarge
+from controlplane.settings import Queue as QueueSettings
 from controlplane.settings import Settings
 from controlplane.store import events, executions, job_views, leases, queue
 from controlplane.web import auth, jobs
@@ -68,7 +70,8 @@ def _event_cursor(raw: str | None) -> tuple[int, int]:
     return (xid, seq)
 
 
-def _new_job(job: wire.EnqueueJob, max_payload: int, index: int) -> NewJob:
+def _new_job(job: wire.EnqueueJob, queue_knobs: QueueSettings, index: int) -> NewJob:
+    max_payload = queue_knobs.max_payload_bytes
     if len(job.payload) > max_payload:
         raise PayloadTooLarge(
             f"jobs[{index}].payload exceeds {max_payload} bytes", index=index, limit=max_payload
@@ -89,6 +92,26 @@ def _new_job(job: wire.EnqueueJob, max_payload: int, index: int) -> NewJob:
         required_labels=canonicalise(job.required_labels),
         queued_at=job.queued_at,
         payload=payload,
+        timeout_seconds=lifetimes.resolve(
+            job.timeout_seconds,
+            lifetimes.Bounds(queue_knobs.default_timeout_seconds, queue_knobs.max_timeout_seconds),
+            field="timeout_seconds",
+            index=index,
+        ),
+        queue_timeout_seconds=lifetimes.resolve(
+            job.queue_timeout_seconds,
+            lifetimes.Bounds(
+                queue_knobs.default_queue_timeout_seconds, queue_knobs.max_queue_timeout_seconds
+            ),
+            field="queue_timeout_seconds",
+            index=index,
+        ),
+        retries_on_lost=lifetimes.resolve(
+            job.retries_on_lost,
+            lifetimes.Bounds(0, queue_knobs.max_retries_on_lost, minimum=0),
+            field="retries_on_lost",
+            index=index,
+        ),
     )
 
 
@@ -101,7 +124,14 @@ def _new_job(job: wire.EnqueueJob, max_payload: int, index: int) -> NewJob:
         "forbidden",
         notes=f"At most queue.max_batch_size (default {KNOBS.queue.max_batch_size}) jobs; "
         f"a payload is a JSON object of at most queue.max_payload_bytes (default "
-        f"{KNOBS.queue.max_payload_bytes}) bytes. One result per job, in order.",
+        f"{KNOBS.queue.max_payload_bytes}) bytes. One result per job, in order. "
+        "`timeout_seconds` is at most queue.max_timeout_seconds (default "
+        f"{KNOBS.queue.max_timeout_seconds}; absent: {KNOBS.queue.default_timeout_seconds}), "
+        "`queue_timeout_seconds` at most queue.max_queue_timeout_seconds (default "
+        f"{KNOBS.queue.max_queue_timeout_seconds}; absent: "
+        f"{KNOBS.queue.default_queue_timeout_seconds}), `retries_on_lost` at most "
+        f"queue.max_retries_on_lost (default {KNOBS.queue.max_retries_on_lost}); beyond is 400 "
+        "`validation-error` naming the field, and nothing of the request is enqueued.",
     )
 )
 async def enqueue(svc: Deps, request: Request) -> Response:
@@ -113,10 +143,7 @@ async def enqueue(svc: Deps, request: Request) -> Response:
         )
     for job in body.jobs:
         auth.require_workspace(key, job.workspace_id)
-    jobs = [
-        _new_job(job, svc.settings.queue.max_payload_bytes, index)
-        for index, job in enumerate(body.jobs)
-    ]
+    jobs = [_new_job(job, svc.settings.queue, index) for index, job in enumerate(body.jobs)]
     async with svc.pool.acquire() as conn:
         results = await queue.enqueue(conn, jobs)
     for result in results:
@@ -207,6 +234,17 @@ async def execution_state(svc: Deps, request: Request) -> Response:
             exit_code=found.exit_code,
             output_tail=found.output_tail,
             waiting=waiting,
+            attempt=found.attempt,
+            lost_attempts=[
+                wire.LostAttemptOut(
+                    attempt=lost.attempt,
+                    outcome="lost",
+                    runner_session_id=lost.runner_session_id,
+                    started_at=lost.started_at,
+                    ended_at=lost.ended_at,
+                )
+                for lost in found.lost_attempts
+            ],
         )
     )
 

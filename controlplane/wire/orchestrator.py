@@ -31,6 +31,40 @@ class EnqueueJob(Strict):
             description="A JSON object of at most queue.max_payload_bytes bytes.",
         ),
     ] = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
+    # The life of an execution (docs/policies.md); each within the bounds its setting names,
+    # checked by the route (web/orchestrator.py), the ceilings here only keep them integers.
+    timeout_seconds: (
+        Annotated[
+            int,
+            msgspec.Meta(
+                ge=1,
+                le=2**31 - 1,
+                description="Run timeout: 1..queue.max_timeout_seconds; absent: "
+                "queue.default_timeout_seconds.",
+            ),
+        ]
+        | None
+    ) = None
+    queue_timeout_seconds: (
+        Annotated[
+            int,
+            msgspec.Meta(
+                ge=1,
+                le=2**31 - 1,
+                description="Queue timeout: 1..queue.max_queue_timeout_seconds; absent: "
+                "queue.default_queue_timeout_seconds.",
+            ),
+        ]
+        | None
+    ) = None
+    retries_on_lost: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            le=2**31 - 1,
+            description="Retries of a lease lost with its runner: 0..queue.max_retries_on_lost.",
+        ),
+    ] = 0
 
 
 class EnqueueRequest(Strict):
@@ -68,6 +102,18 @@ class ExecutionState(Strict):
     exit_code: int | None = None  # as the runner reported it
     output_tail: str | None = None  # the end of the job's output, as the runner reported it
     waiting: WaitingOut | None = None  # while pending: who could take it, and whether anyone can
+    attempt: int | None = None  # while pending or running: 1, or n + 1 after n retries
+    lost_attempts: list[LostAttemptOut] = msgspec.field(default_factory=list)
+
+
+class LostAttemptOut(Strict):
+    """An earlier attempt whose lease was lost with its runner and retried."""
+
+    attempt: int
+    outcome: Literal["lost"]
+    runner_session_id: UUID
+    started_at: datetime
+    ended_at: datetime
 
 
 class EventOut(Strict):
