@@ -38,26 +38,18 @@ async def time_out(conn: Conn, grace: timedelta, *, limit: int = 100) -> list[En
     completed before we took its lock is simply gone.
     """
     async with conn.transaction():
-        picked = await conn.fetch(
+        picked = await leases.lock_and_sweep(
+            conn,
             f"""
-            WITH due AS MATERIALIZED (
-                SELECT id, job_execution_id FROM running_jobs
-                WHERE timeout_seconds IS NOT NULL AND {_RUN_DEADLINE} + $1::interval <= now()
-                ORDER BY {_RUN_DEADLINE}, id
-            )
-            SELECT id, job_execution_id FROM due
-            WHERE pg_try_advisory_xact_lock({locks.sql_key(locks.EXECUTION, "job_execution_id")})
-            LIMIT $2
-            """,  # noqa: S608 -- interpolates constants only: _RUN_DEADLINE, locks.sql_key
-            grace,
+            SELECT id, job_execution_id FROM running_jobs
+            WHERE timeout_seconds IS NOT NULL AND {_RUN_DEADLINE} + $1::interval <= now()
+            ORDER BY {_RUN_DEADLINE}, id
+            """,  # noqa: S608 -- interpolates constants only: _RUN_DEADLINE
+            [grace],
             limit,
         )
         if not picked:
             return []
-        await conn.execute(
-            "DELETE FROM pending_jobs WHERE job_execution_id = ANY($1::uuid[])",
-            [row["job_execution_id"] for row in picked],
-        )
         deleted = await conn.fetch(
             f"""
             DELETE FROM running_jobs WHERE id = ANY($1::uuid[])

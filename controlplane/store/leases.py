@@ -265,6 +265,35 @@ async def reconcile(
     )
 
 
+async def lock_and_sweep(
+    conn: Conn, candidates: str, args: Sequence[object], limit: int
+) -> list[asyncpg.Record]:
+    """The leader's first two steps on leases, in the caller's transaction: of the running rows
+    `candidates` selects (`id, job_execution_id`, in the order to take them; its parameters
+    `args`), keep the first `limit` whose execution lock we get by trying, and delete pending
+    orphans of those executions. The candidates are materialised first and the try-lock applied
+    while reading them in order, so only what we keep (and the busy ones we skip) is locked.
+
+    Locks: execution try-locks -> pending rows; never a running row, so nothing held here is
+    waited for by a claim holding a pending row."""
+    picked = await conn.fetch(
+        f"""
+        WITH due AS MATERIALIZED ({candidates})
+        SELECT id, job_execution_id FROM due
+        WHERE pg_try_advisory_xact_lock({locks.sql_key(locks.EXECUTION, "job_execution_id")})
+        LIMIT ${len(args) + 1}
+        """,  # noqa: S608 -- interpolates the callers' constant queries and locks.sql_key
+        *args,
+        limit,
+    )
+    if picked:
+        await conn.execute(
+            "DELETE FROM pending_jobs WHERE job_execution_id = ANY($1::uuid[])",
+            [row["job_execution_id"] for row in picked],
+        )
+    return list(picked)
+
+
 async def reap(conn: Conn, rule: StaleRule, *, limit: int = 100) -> list[EndedLease]:
     """Expire stale leases: at most `limit` per call, oldest-stale first; each exactly once.
 
@@ -285,29 +314,20 @@ async def reap(conn: Conn, rule: StaleRule, *, limit: int = 100) -> list[EndedLe
     rows and attempt rows) -> tombstones -> events.
     """
     async with conn.transaction():
-        picked = await conn.fetch(
+        picked = await lock_and_sweep(
+            conn,
             f"""
-            WITH stale AS MATERIALIZED (
-                SELECT id, job_execution_id
-                FROM running_jobs
-                WHERE {_STALE}
-                ORDER BY CASE WHEN first_heartbeat_at IS NULL AND last_heartbeat_at <= started_at
-                              THEN started_at ELSE last_heartbeat_at END, id
-            )
-            SELECT id, job_execution_id FROM stale
-            WHERE pg_try_advisory_xact_lock({locks.sql_key(locks.EXECUTION, "job_execution_id")})
-            LIMIT $3
-            """,  # noqa: S608 -- interpolates constants only: _STALE, locks.sql_key
-            rule.grace,
-            rule.threshold,
+            SELECT id, job_execution_id
+            FROM running_jobs
+            WHERE {_STALE}
+            ORDER BY CASE WHEN first_heartbeat_at IS NULL AND last_heartbeat_at <= started_at
+                          THEN started_at ELSE last_heartbeat_at END, id
+            """,  # noqa: S608 -- interpolates constants only: _STALE
+            [rule.grace, rule.threshold],
             limit,
         )
         if not picked:
             return []
-        await conn.execute(
-            "DELETE FROM pending_jobs WHERE job_execution_id = ANY($1::uuid[])",
-            [row["job_execution_id"] for row in picked],
-        )
         moved = await conn.fetch(_RETRY, rule.grace, rule.threshold, [row["id"] for row in picked])
         retried = await retries.record(conn, moved)
         deleted = await conn.fetch(
