@@ -73,6 +73,11 @@ async def test_q40_a_life_policy_beyond_its_setting_is_400_naming_it_and_enqueue
     error = error_of(response)
     assert error["code"] == "validation-error"
     assert error["details"]["field"] == code_field and error["details"]["index"] == 1
+    # The published schema says the same bound.
+    schema = (await api.http.get("/openapi.json")).json()["components"]["schemas"]["EnqueueJob"]
+    prop = schema["properties"][field]
+    published = [b["maximum"] for b in prop.get("anyOf", [prop]) if b.get("type") == "integer"]
+    assert published == [value - 1]
     assert f"jobs[1].{field}" in error["message"]
     assert await db.fetchval("SELECT count(*) FROM pending_jobs") == 0
 

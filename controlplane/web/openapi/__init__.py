@@ -176,7 +176,22 @@ def _components(
     if EnqueueRequest in by_kind:
         enqueue = schemas[by_kind[EnqueueRequest]["$ref"].rsplit("/", 1)[1]]
         enqueue["properties"]["jobs"]["maxItems"] = settings.queue.max_batch_size
+    if "EnqueueJob" in schemas:
+        _life_policy_maxima(schemas["EnqueueJob"], settings)
     return by_kind, dict(sorted(schemas.items()))
+
+
+def _life_policy_maxima(job: dict[str, Any], settings: Settings) -> None:
+    """An enqueued job's life policies are bounded by settings (web/orchestrator.py)."""
+    for field, maximum in (
+        ("timeout_seconds", settings.queue.max_timeout_seconds),
+        ("queue_timeout_seconds", settings.queue.max_queue_timeout_seconds),
+        ("retries_on_lost", settings.queue.max_retries_on_lost),
+    ):
+        schema = job["properties"][field]
+        for branch in schema.get("anyOf", [schema]):
+            if branch.get("type") == "integer":
+                branch["maximum"] = maximum
 
 
 def document(routes: Sequence[BaseRoute], settings: Settings | None = None) -> dict[str, Any]:
