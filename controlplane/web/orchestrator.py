@@ -34,6 +34,7 @@ from controlplane.web.endpoints import bound
 from controlplane.web.operations import KNOBS, OAK, Op, operation
 from controlplane.web.queries import decode
 from controlplane.wire import orchestrator as wire
+from controlplane.wire.common import whole
 from controlplane.wire.queries import EventsQuery
 
 
@@ -93,13 +94,13 @@ def _new_job(job: wire.EnqueueJob, queue_knobs: QueueSettings, index: int) -> Ne
         queued_at=job.queued_at,
         payload=payload,
         timeout_seconds=lifetimes.resolve(
-            job.timeout_seconds,
+            whole(job.timeout_seconds),
             lifetimes.Bounds(queue_knobs.default_timeout_seconds, queue_knobs.max_timeout_seconds),
             field="timeout_seconds",
             index=index,
         ),
         queue_timeout_seconds=lifetimes.resolve(
-            job.queue_timeout_seconds,
+            whole(job.queue_timeout_seconds),
             lifetimes.Bounds(
                 queue_knobs.default_queue_timeout_seconds, queue_knobs.max_queue_timeout_seconds
             ),
@@ -107,7 +108,7 @@ def _new_job(job: wire.EnqueueJob, queue_knobs: QueueSettings, index: int) -> Ne
             index=index,
         ),
         retries_on_lost=lifetimes.resolve(
-            job.retries_on_lost,
+            int(job.retries_on_lost),
             lifetimes.Bounds(0, queue_knobs.max_retries_on_lost, minimum=0),
             field="retries_on_lost",
             index=index,

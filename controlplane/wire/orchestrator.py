@@ -32,14 +32,16 @@ class EnqueueJob(Strict):
         ),
     ] = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
     # The life of an execution (docs/policies.md); each within the bounds its setting names,
-    # checked by the route (web/orchestrator.py), the ceilings here only keep them integers.
+    # checked by the route (web/orchestrator.py; the published maxima are those settings). Whole
+    # numbers, also written as 5.0, as JSON Schema's `integer` admits.
     timeout_seconds: (
         Annotated[
-            int,
+            float,
             msgspec.Meta(
                 ge=1,
                 le=2**31 - 1,
-                description="Run timeout: 1..queue.max_timeout_seconds; absent: "
+                multiple_of=1,
+                description="Run timeout, whole seconds: 1..queue.max_timeout_seconds; absent: "
                 "queue.default_timeout_seconds.",
             ),
         ]
@@ -47,21 +49,23 @@ class EnqueueJob(Strict):
     ) = None
     queue_timeout_seconds: (
         Annotated[
-            int,
+            float,
             msgspec.Meta(
                 ge=1,
                 le=2**31 - 1,
-                description="Queue timeout: 1..queue.max_queue_timeout_seconds; absent: "
-                "queue.default_queue_timeout_seconds.",
+                multiple_of=1,
+                description="Queue timeout, whole seconds: 1..queue.max_queue_timeout_seconds; "
+                "absent: queue.default_queue_timeout_seconds.",
             ),
         ]
         | None
     ) = None
     retries_on_lost: Annotated[
-        int,
+        float,
         msgspec.Meta(
             ge=0,
             le=2**31 - 1,
+            multiple_of=1,
             description="Retries of a lease lost with its runner: 0..queue.max_retries_on_lost.",
         ),
     ] = 0

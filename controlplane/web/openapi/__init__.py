@@ -190,7 +190,7 @@ def _life_policy_maxima(job: dict[str, Any], settings: Settings) -> None:
     ):
         schema = job["properties"][field]
         for branch in schema.get("anyOf", [schema]):
-            if branch.get("type") == "integer":
+            if branch.get("type") in ("integer", "number"):
                 branch["maximum"] = maximum
 
 
