@@ -32,6 +32,7 @@ from controlplane.actors.control import ControlSessions
 from controlplane.actors.dispatch import Dispatcher
 from controlplane.actors.feed import FeedWatch
 from controlplane.actors.listener import Listener
+from controlplane.actors.maintenance.deadlines import Deadlines, PoolDeadlineStore
 from controlplane.actors.maintenance.leadership import Leadership
 from controlplane.actors.maintenance.provisioning import PoolUpkeepStore, ProvisioningUpkeep
 from controlplane.actors.maintenance.reaper import LeaseReaper, PoolReaperStore
@@ -326,6 +327,12 @@ class Daemon:
                         threshold=timedelta(seconds=runners.stale_lease_threshold_seconds),
                         grace=timedelta(seconds=runners.no_first_heartbeat_grace_seconds),
                     ),
+                    interval=maintain.reaper_interval_seconds,
+                    limit=maintain.reaper_batch_limit,
+                ),
+                Deadlines(
+                    PoolDeadlineStore(pool),
+                    grace=timedelta(seconds=settings.queue.timeout_grace_seconds),
                     interval=maintain.reaper_interval_seconds,
                     limit=maintain.reaper_batch_limit,
                 ),

@@ -33,6 +33,21 @@ completed = Counter(
 leases_expired = Counter(
     "controlplane_leases_expired_total", "Leases expired by the reaper.", registry=REGISTRY
 )
+jobs_timed_out = Counter(
+    "controlplane_jobs_timed_out_total",
+    "Leases ended by the leader past their run timeout and its grace (outcome timed_out).",
+    registry=REGISTRY,
+)
+jobs_queue_expired = Counter(
+    "controlplane_jobs_queue_expired_total",
+    "Pending executions removed by the leader past their queue timeout (outcome queue_expired).",
+    registry=REGISTRY,
+)
+jobs_retried = Counter(
+    "controlplane_jobs_retried_total",
+    "Leases lost with their runner whose execution went back to the queue for another attempt.",
+    registry=REGISTRY,
+)
 put_backs = Counter(
     "controlplane_put_backs_total",
     "Claims returned to the queue because their runner was gone.",

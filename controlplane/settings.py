@@ -64,6 +64,17 @@ class Queue(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priority_min: Annotated[int, msgspec.Meta(ge=-1_000_000, le=0)] = -1000
     priority_max: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1000
     max_concurrency_limit: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
+    # The life of an execution (docs/policies.md). A job's run timeout, when it sends none, is
+    # GitHub's default (6 h); the largest it may ask is GitHub's self-hosted ceiling (5 days).
+    default_timeout_seconds: Annotated[int, msgspec.Meta(ge=1, le=30 * 86_400)] = 6 * 3600
+    max_timeout_seconds: Annotated[int, msgspec.Meta(ge=1, le=30 * 86_400)] = 5 * 86_400
+    # After its run deadline a lease's runner is told to stop; this long after, the leader ends it.
+    timeout_grace_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 60
+    # How long a job may wait in the queue: GitHub drops self-hosted jobs queued 24 h.
+    default_queue_timeout_seconds: Annotated[int, msgspec.Meta(ge=1, le=30 * 86_400)] = 86_400
+    max_queue_timeout_seconds: Annotated[int, msgspec.Meta(ge=1, le=30 * 86_400)] = 7 * 86_400
+    # Retries of a lease lost with its runner a job may ask for (it asks for none by default).
+    max_retries_on_lost: Annotated[int, msgspec.Meta(ge=0, le=100)] = 5
 
 
 class Runners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -220,6 +231,18 @@ def _check(settings: Settings) -> Settings:
         raise ConfigError(
             "runners.heartbeat_interval_seconds must be at most half of "
             "runners.stale_lease_threshold_seconds, or live leases would expire"
+        )
+    queue = settings.queue
+    if queue.default_timeout_seconds > queue.max_timeout_seconds:
+        raise ConfigError("queue.default_timeout_seconds must not exceed queue.max_timeout_seconds")
+    if queue.default_queue_timeout_seconds > queue.max_queue_timeout_seconds:
+        raise ConfigError(
+            "queue.default_queue_timeout_seconds must not exceed queue.max_queue_timeout_seconds"
+        )
+    if queue.timeout_grace_seconds <= runners.heartbeat_interval_seconds:
+        raise ConfigError(
+            "queue.timeout_grace_seconds must exceed runners.heartbeat_interval_seconds, so a "
+            "runner that does not hold its heartbeat still hears of its timeout within the grace"
         )
     url = settings.database.url
     if url and not url.startswith(("postgresql://", "postgres://")):

@@ -8,6 +8,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TypeVar
 from uuid import UUID
@@ -29,15 +30,37 @@ _MAX_POLL_SECONDS = 2.0
 T = TypeVar("T")
 
 
+@dataclass(frozen=True, slots=True)
+class Lifetime:
+    """The job's life policies (docs/policies.md); None leaves each to the server's default."""
+
+    timeout_seconds: int | None = None
+    queue_timeout_seconds: int | None = None
+    retries_on_lost: int | None = None
+
+    def fields(self) -> dict[str, int]:
+        return {
+            name: value
+            for name, value in (
+                ("timeout_seconds", self.timeout_seconds),
+                ("queue_timeout_seconds", self.queue_timeout_seconds),
+                ("retries_on_lost", self.retries_on_lost),
+            )
+            if value is not None
+        }
+
+
 def enqueue_body(
     workspace: UUID,
     labels: Sequence[str],
     command: Sequence[str],
     now: datetime,
     fields: Mapping[str, object] | None = None,
+    lifetime: Lifetime = Lifetime(),
 ) -> dict[str, object]:
     """One job running `command`, with fresh ids; `fields` adds or replaces job fields
-    (`project_id`, `priority`, `concurrency_key`, `concurrency_limit`)."""
+    (`project_id`, `priority`, `concurrency_key`, `concurrency_limit`), `lifetime` adds the life
+    policies it sets."""
     return {
         "jobs": [
             {
@@ -51,6 +74,7 @@ def enqueue_body(
                 "queued_at": now.isoformat(),
                 "payload": {"script": shlex.join(command)},
                 **(fields or {}),
+                **lifetime.fields(),
             }
         ]
     }
@@ -84,12 +108,13 @@ async def enqueue(
     give_up_after: float,
     cancel_on_interrupt: bool = False,
     fields: Mapping[str, object] | None = None,
+    lifetime: Lifetime = Lifetime(),
 ) -> int:
     """Print the new execution's id. With `wait`, follow it to its end, print the end of its
     output and its outcome, and exit as the job did: its exit code when it has one, else 0 for
     success and 1 otherwise; 2 when we gave up waiting. Ctrl-C while waiting leaves the job
     running (and says how to cancel it), or cancels it with `cancel_on_interrupt`."""
-    body = enqueue_body(workspace, labels, command, datetime.now(UTC), fields)
+    body = enqueue_body(workspace, labels, command, datetime.now(UTC), fields, lifetime)
     async with api.client(url) as http:
         headers = api.bearer(key)
         if not wait:

@@ -158,6 +158,28 @@ example: controlplane enqueue --url $CP --workspace $WS --labels linux --wait --
         "--concurrency-key", help="at most --concurrency-limit jobs with this key run at once"
     )
     enqueue.add_argument("--concurrency-limit", type=int, help="the key's limit (1 or more)")
+    enqueue.add_argument(
+        "--run-timeout",
+        type=int,
+        metavar="S",
+        help="the job's run timeout (timeout_seconds): past it the runner is told to stop, and "
+        "the lease ends timed_out after queue.timeout_grace_seconds; default: the server's "
+        "queue.default_timeout_seconds (6 h)",
+    )
+    enqueue.add_argument(
+        "--queue-timeout",
+        type=int,
+        metavar="S",
+        help="how long the job may wait for a runner (queue_timeout_seconds) before it ends "
+        "queue_expired; default: the server's queue.default_queue_timeout_seconds (24 h)",
+    )
+    enqueue.add_argument(
+        "--retries-on-lost",
+        type=int,
+        metavar="N",
+        help="put the job back in the queue up to N times when its runner vanishes "
+        "(retries_on_lost); default 0",
+    )
     enqueue.add_argument("command", nargs="*", help="the command and its arguments, after --")
     enqueue.set_defaults(client="clients:_cmd_enqueue")
 

@@ -88,6 +88,11 @@ def _cmd_enqueue(args: argparse.Namespace) -> int:
             give_up_after=args.timeout,
             cancel_on_interrupt=args.cancel_on_interrupt,
             fields=fields,
+            lifetime=queue_client.Lifetime(
+                timeout_seconds=args.run_timeout,
+                queue_timeout_seconds=args.queue_timeout,
+                retries_on_lost=args.retries_on_lost,
+            ),
         )
     )
 

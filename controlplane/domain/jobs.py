@@ -17,7 +17,9 @@ class Outcome(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
-    EXPIRED = "expired"
+    EXPIRED = "expired"  # the lease's runner stopped heartbeating (and no retry was left)
+    TIMED_OUT = "timed_out"  # the lease outlived its run timeout and the grace after it
+    QUEUE_EXPIRED = "queue_expired"  # it waited in the queue past its queue timeout
 
 
 class EnqueueResult(enum.StrEnum):
@@ -34,9 +36,20 @@ class EventType(enum.StrEnum):
     COMPLETED = "job.completed"  # terminal: the runner reported an outcome
     CANCELLED = "job.cancelled"  # terminal: the orchestrator ended it
     LEASE_EXPIRED = "job.lease_expired"  # terminal: the reaper took a dead lease
+    TIMED_OUT = "job.timed_out"  # terminal: the lease outlived its run timeout and grace
+    QUEUE_EXPIRED = "job.queue_expired"  # terminal: it waited past its queue timeout
+    RETRIED = "job.retried"  # a lease lost with its runner went back to the queue
 
 
-TERMINAL_EVENTS = frozenset({EventType.COMPLETED, EventType.CANCELLED, EventType.LEASE_EXPIRED})
+TERMINAL_EVENTS = frozenset(
+    {
+        EventType.COMPLETED,
+        EventType.CANCELLED,
+        EventType.LEASE_EXPIRED,
+        EventType.TIMED_OUT,
+        EventType.QUEUE_EXPIRED,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +73,9 @@ class NewJob:
     priority: int = 0  # higher first, FIFO within a priority (store/ordering.py)
     concurrency_key: str | None = None  # at most concurrency_limit of the key run at once
     concurrency_limit: int | None = None
+    timeout_seconds: int | None = None  # the run timeout; None: none (docs/policies.md)
+    queue_timeout_seconds: int | None = None  # how long it may wait pending; None: forever
+    retries_on_lost: int = 0  # leases lost with their runner that go back to the queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +103,14 @@ class HeartbeatResult:
     cancellation_requested: bool
     previous_capabilities: dict[str, Any] | None
     current_capabilities: dict[str, Any] | None
+    # Seconds from the heartbeat to the lease's run deadline, by the database's clock (<= 0: it
+    # has passed, so the runner must stop); None when the lease has no run timeout.
+    timeout_in: float | None = None
+
+    @property
+    def must_stop(self) -> bool:
+        """Cancelled, or past its run deadline: the heartbeat answers `cancel`."""
+        return self.cancellation_requested or (self.timeout_in is not None and self.timeout_in <= 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +122,7 @@ class EndedLease:
     provider_runner_id: str | None
     cancellation_requested: bool
     newly_ended: bool  # False when the execution already had a tombstone (cancelled earlier)
+    retried: bool = False  # the lease was lost and its execution went back to the queue
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,13 @@ from controlplane.domain.labels import LabelSet
 from controlplane.errors import RunnerSessionExhausted
 from controlplane.store import activations, ordering
 from controlplane.store.pool import Conn
-from controlplane.store.records import IDENTITY_COLUMNS, identity, json_value
+from controlplane.store.records import (
+    IDENTITY_COLUMNS,
+    POLICY_COLUMNS,
+    identity,
+    json_value,
+    qualified,
+)
 
 # How many busy FIFO heads a claim steps over before it gives up for this attempt. A head is busy
 # when another transaction holds its execution lock (an enqueue replay, a reconcile, the reaper).
@@ -185,13 +191,13 @@ WITH candidate AS MATERIALIZED (
 ), {ordering.ADMISSION}, taken AS (
     DELETE FROM pending_jobs WHERE id = (SELECT id FROM admitted)
     RETURNING id, {IDENTITY_COLUMNS}, required_labels, payload, created_at,
-              {ordering.ORDERING_COLUMNS}
+              {POLICY_COLUMNS}
 ), leased AS (
     INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id, provisioner_id,
         provider_runner_id, required_labels, runner_labels, payload, queued_at,
-        {ordering.ORDERING_COLUMNS})
+        {POLICY_COLUMNS})
     SELECT id, {IDENTITY_COLUMNS}, $4, $5, $6, required_labels, $2::text[], payload, created_at,
-           {ordering.ORDERING_COLUMNS}
+           {POLICY_COLUMNS}
     FROM taken
     ON CONFLICT (job_execution_id) DO NOTHING
     RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
@@ -209,7 +215,7 @@ SELECT c.id AS candidate, c.locked, (SELECT count(*) FROM logged) AS logged,
        l.workflow_run_attempt_id, l.job_id, l.job_execution_id, l.project_id, l.required_labels,
        l.payload::text AS payload, l.queued_at, l.started_at
 FROM (SELECT 1) AS one LEFT JOIN candidate c ON true LEFT JOIN leased l ON true
-"""  # noqa: S608 -- constants only: store/ordering.py's SQL, IDENTITY_COLUMNS, _LOGGED, the pause probe
+"""  # noqa: S608 -- constants only: store/ordering.py's SQL, IDENTITY_COLUMNS, POLICY_COLUMNS, _LOGGED, the pause probe
 
 
 async def _claim_attempts(
@@ -249,10 +255,6 @@ async def _claim_attempts(
     return None
 
 
-def _columns(alias: str, columns: str) -> str:
-    return ", ".join(f"{alias}.{c}" for c in columns.split(", "))
-
-
 # The most sessions one batch claim serves (bounds the statement and the locks it holds).
 MAX_BATCH = 100
 
@@ -272,15 +274,15 @@ WITH wanted AS (
     {ordering.candidates("(SELECT count(*) FROM wanted)")}
 ), {ordering.ADMISSION}, taken AS (
     DELETE FROM pending_jobs AS p USING admitted c WHERE p.id = c.id
-    RETURNING p.id, {_columns("p", IDENTITY_COLUMNS)},
+    RETURNING p.id, {qualified("p", IDENTITY_COLUMNS)},
               p.required_labels, p.payload, p.created_at,
-              {_columns("p", ordering.ORDERING_COLUMNS)}, c.ord
+              {qualified("p", POLICY_COLUMNS)}, c.ord
 ), leased AS (
     INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id,
-        required_labels, runner_labels, payload, queued_at, {ordering.ORDERING_COLUMNS})
-    SELECT t.id, {_columns("t", IDENTITY_COLUMNS)}, w.session_id,
+        required_labels, runner_labels, payload, queued_at, {POLICY_COLUMNS})
+    SELECT t.id, {qualified("t", IDENTITY_COLUMNS)}, w.session_id,
            t.required_labels, $2::text[], t.payload, t.created_at,
-           {_columns("t", ordering.ORDERING_COLUMNS)}
+           {qualified("t", POLICY_COLUMNS)}
     FROM taken t JOIN wanted w ON w.ord = t.ord
     ON CONFLICT (job_execution_id) DO NOTHING
     RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
@@ -293,7 +295,7 @@ SELECT c.id AS candidate, c.locked, t.id IS NOT NULL AS admitted, l.workspace_id
        (SELECT count(*) FROM logged) AS logged
 FROM candidate c LEFT JOIN taken t ON t.id = c.id
      LEFT JOIN leased l ON l.job_execution_id = t.job_execution_id
-"""  # noqa: S608 -- interpolates module constants only (store/ordering.py, IDENTITY_COLUMNS, _LOGGED)
+"""  # noqa: S608 -- interpolates module constants only (store/ordering.py, IDENTITY_COLUMNS, POLICY_COLUMNS, _LOGGED)
 
 
 async def claim_batch(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from uuid import UUID
 
 from controlplane.store.pool import Conn
@@ -20,6 +21,19 @@ class ExecutionState:
     exit_code: int | None = None  # as its runner reported it, when it ended so
     output_tail: str | None = None
     required_labels: tuple[str, ...] = ()  # while pending: what a runner must offer
+    attempt: int | None = None  # while pending or running: 1, or n + 1 after n retries
+    lost_attempts: tuple[LostAttempt, ...] = ()  # earlier attempts, lost with their runner
+
+
+@dataclass(frozen=True, slots=True)
+class LostAttempt:
+    """An attempt that did not end its execution: its lease was lost and it was retried."""
+
+    attempt: int
+    outcome: str
+    runner_session_id: UUID
+    started_at: datetime
+    ended_at: datetime
 
 
 async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
@@ -29,7 +43,12 @@ async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
         SELECT e.workspace_id AS ended_ws, e.outcome, e.ended_by, e.exit_code, e.output_tail,
                r.workspace_id AS running_ws, r.runner_session_id,
                r.cancellation_requested_at IS NOT NULL AS cancel_requested,
-               p.workspace_id AS pending_ws, p.required_labels
+               p.workspace_id AS pending_ws, p.required_labels,
+               coalesce(r.attempt, p.attempt) AS attempt,
+               ARRAY(SELECT ROW(a.attempt, a.outcome, a.runner_session_id, a.started_at,
+                                a.ended_at)
+                     FROM execution_attempts a WHERE a.job_execution_id = x.id
+                     ORDER BY a.attempt) AS lost
         FROM (SELECT $1::uuid AS id) AS x
         LEFT JOIN ended_executions e ON e.job_execution_id = x.id
         LEFT JOIN running_jobs r ON r.job_execution_id = x.id
@@ -38,6 +57,7 @@ async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
         job_execution_id,
     )
     assert row is not None
+    lost = tuple(LostAttempt(*attempt) for attempt in row["lost"])
     if row["outcome"] is not None:
         return ExecutionState(
             job_execution_id,
@@ -49,6 +69,7 @@ async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
             cancel_requested=bool(row["cancel_requested"]),
             exit_code=row["exit_code"],
             output_tail=row["output_tail"],
+            lost_attempts=lost,
         )
     if row["running_ws"] is not None:
         return ExecutionState(
@@ -57,6 +78,8 @@ async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
             row["running_ws"],
             runner_session_id=row["runner_session_id"],
             cancel_requested=bool(row["cancel_requested"]),
+            attempt=row["attempt"],
+            lost_attempts=lost,
         )
     if row["pending_ws"] is not None:
         return ExecutionState(
@@ -64,15 +87,20 @@ async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
             "pending",
             row["pending_ws"],
             required_labels=tuple(row["required_labels"]),
+            attempt=row["attempt"],
+            lost_attempts=lost,
         )
     return None
 
 
 async def cancel_requested(conn: Conn, job_execution_id: UUID, runner_session_id: UUID) -> bool:
-    """True when the lease is asked to stop, or is gone (the runner must stop either way)."""
+    """True when the lease is asked to stop, is past its run deadline, or is gone (the runner
+    must stop either way)."""
     found = await conn.fetchval(
         """
-        SELECT cancellation_requested_at IS NOT NULL FROM running_jobs
+        SELECT cancellation_requested_at IS NOT NULL
+               OR coalesce(started_at + timeout_seconds * interval '1 second' <= now(), false)
+        FROM running_jobs
         WHERE job_execution_id = $1 AND runner_session_id = $2
         """,
         job_execution_id,

@@ -29,9 +29,9 @@ from controlplane.domain.jobs import (
     StaleRule,
 )
 from controlplane.errors import RunningJobExecutionNotFound
-from controlplane.store import events, locks
+from controlplane.store import events, locks, retries
 from controlplane.store.pool import Conn
-from controlplane.store.queue import lock_executions
+from controlplane.store.queue import lock_executions, requeue_statement
 from controlplane.store.records import IDENTITY_COLUMNS, identity, json_text, json_value
 
 # The stale predicate, as in domain.jobs.StaleRule ($1 = grace, $2 = threshold).
@@ -41,6 +41,9 @@ _STALE = """(
     OR ((first_heartbeat_at IS NOT NULL OR last_heartbeat_at > started_at)
         AND last_heartbeat_at < now() - $2::interval)
 )"""
+
+# Stale leases that go back to the queue ($1 grace, $2 threshold, $3 the picked lease ids).
+_RETRY = requeue_statement(f"id = ANY($3::uuid[]) AND {_STALE} AND {retries.RETRYABLE}", retry=True)
 
 # Reconcile and cancel-session notify this channel with the execution id, delivered at commit,
 # so a heartbeat held on any replica learns of the cancel at once.
@@ -58,7 +61,9 @@ WITH beat AS (
     UPDATE running_jobs
     SET first_heartbeat_at = COALESCE(first_heartbeat_at, now()), last_heartbeat_at = now()
     WHERE job_execution_id = $1 AND runner_session_id = $2
-    RETURNING {IDENTITY_COLUMNS}, cancellation_requested_at
+    RETURNING {IDENTITY_COLUMNS}, cancellation_requested_at,
+              EXTRACT(epoch FROM started_at + timeout_seconds * interval '1 second' - now())::float8
+                  AS timeout_in
 ), touched AS (
     UPDATE runner_sessions
     SET updated_at = now(),
@@ -80,7 +85,8 @@ async def heartbeat(
     runner_session_id: UUID,
     capabilities: Any = _NO_CAPABILITIES,
 ) -> HeartbeatResult:
-    """Refresh the lease held by this session; report whether cancellation was requested.
+    """Refresh the lease held by this session; report whether cancellation was requested and how
+    far its run deadline is (by the database's clock). The deadline never moves.
 
     Unlike the reference, omitting `capabilities` keeps the stored report (it only ages); an
     explicit None clears it. Raises RunningJobExecutionNotFound, changing nothing, when the
@@ -105,10 +111,11 @@ async def heartbeat(
         cancellation_requested=row["cancellation_requested_at"] is not None,
         previous_capabilities=previous,
         current_capabilities=current,
+        timeout_in=row["timeout_in"],
     )
 
 
-async def _end(
+async def end_executions(
     conn: Conn,
     jobs: Sequence[JobIdentity],
     outcome: Outcome,
@@ -144,7 +151,7 @@ async def _end(
     return fresh
 
 
-def _ended_lease(row: asyncpg.Record, fresh: set[UUID]) -> EndedLease:
+def ended_lease(row: asyncpg.Record, fresh: set[UUID]) -> EndedLease:
     return EndedLease(
         identity=identity(row),
         provisioner_id=row["provisioner_id"],
@@ -188,7 +195,7 @@ async def complete(
     except asyncpg.NoDataFoundError as error:
         raise RunningJobExecutionNotFound() from error
     assert row is not None
-    return _ended_lease(row, {job_execution_id} if row["newly_ended"] else set())
+    return ended_lease(row, {job_execution_id} if row["newly_ended"] else set())
 
 
 async def reconcile(
@@ -229,7 +236,7 @@ async def reconcile(
             await conn.execute("SELECT pg_notify($1, $2)", CANCEL_CHANNEL, str(job_execution_id))
         if known is not None:
             extra: dict[str, Any] = {"reason": reason, "was": "running" if running else "pending"}
-            fresh = await _end(
+            fresh = await end_executions(
                 conn, [identity(known)], status, "orchestrator", EventType.CANCELLED, extra
             )
         else:
@@ -258,6 +265,35 @@ async def reconcile(
     )
 
 
+async def lock_and_sweep(
+    conn: Conn, candidates: str, args: Sequence[object], limit: int
+) -> list[asyncpg.Record]:
+    """The leader's first two steps on leases, in the caller's transaction: of the running rows
+    `candidates` selects (`id, job_execution_id`, in the order to take them; its parameters
+    `args`), keep the first `limit` whose execution lock we get by trying, and delete pending
+    orphans of those executions. The candidates are materialised first and the try-lock applied
+    while reading them in order, so only what we keep (and the busy ones we skip) is locked.
+
+    Locks: execution try-locks -> pending rows; never a running row, so nothing held here is
+    waited for by a claim holding a pending row."""
+    picked = await conn.fetch(
+        f"""
+        WITH due AS MATERIALIZED ({candidates})
+        SELECT id, job_execution_id FROM due
+        WHERE pg_try_advisory_xact_lock({locks.sql_key(locks.EXECUTION, "job_execution_id")})
+        LIMIT ${len(args) + 1}
+        """,  # noqa: S608 -- interpolates the callers' constant queries and locks.sql_key
+        *args,
+        limit,
+    )
+    if picked:
+        await conn.execute(
+            "DELETE FROM pending_jobs WHERE job_execution_id = ANY($1::uuid[])",
+            [row["job_execution_id"] for row in picked],
+        )
+    return list(picked)
+
+
 async def reap(conn: Conn, rule: StaleRule, *, limit: int = 100) -> list[EndedLease]:
     """Expire stale leases: at most `limit` per call, oldest-stale first; each exactly once.
 
@@ -268,36 +304,32 @@ async def reap(conn: Conn, rule: StaleRule, *, limit: int = 100) -> list[EndedLe
        (being completed, reconciled, reaped by another replica) are skipped for this tick.
     2. Sweep pending orphans of those executions, before touching any running row, so we never
        hold a running row while waiting for a pending row a claim holds.
-    3. Delete the running rows, re-checking staleness: a heartbeat that committed meanwhile
-       (or that we waited for) keeps its row.
-    4. Tombstone and one `job.lease_expired` event for executions not already ended.
+    3. Move the leases whose job asked for retries and has some left back to the queue as their
+       next attempt (store/retries.py), re-checking staleness; they come back marked `retried`.
+    4. Delete the other running rows, re-checking staleness: a heartbeat that committed
+       meanwhile (or that we waited for) keeps its row.
+    5. Tombstone and one `job.lease_expired` event for executions not already ended.
 
-    Locks: execution try-locks -> pending rows -> running rows -> tombstones -> events.
+    Locks: execution try-locks -> pending rows -> running rows (retried: then their new pending
+    rows and attempt rows) -> tombstones -> events.
     """
     async with conn.transaction():
-        picked = await conn.fetch(
+        picked = await lock_and_sweep(
+            conn,
             f"""
-            WITH stale AS MATERIALIZED (
-                SELECT id, job_execution_id
-                FROM running_jobs
-                WHERE {_STALE}
-                ORDER BY CASE WHEN first_heartbeat_at IS NULL AND last_heartbeat_at <= started_at
-                              THEN started_at ELSE last_heartbeat_at END, id
-            )
-            SELECT id, job_execution_id FROM stale
-            WHERE pg_try_advisory_xact_lock({locks.sql_key(locks.EXECUTION, "job_execution_id")})
-            LIMIT $3
-            """,  # noqa: S608 -- interpolates constants only: _STALE, locks.sql_key
-            rule.grace,
-            rule.threshold,
+            SELECT id, job_execution_id
+            FROM running_jobs
+            WHERE {_STALE}
+            ORDER BY CASE WHEN first_heartbeat_at IS NULL AND last_heartbeat_at <= started_at
+                          THEN started_at ELSE last_heartbeat_at END, id
+            """,  # noqa: S608 -- interpolates constants only: _STALE
+            [rule.grace, rule.threshold],
             limit,
         )
         if not picked:
             return []
-        await conn.execute(
-            "DELETE FROM pending_jobs WHERE job_execution_id = ANY($1::uuid[])",
-            [row["job_execution_id"] for row in picked],
-        )
+        moved = await conn.fetch(_RETRY, rule.grace, rule.threshold, [row["id"] for row in picked])
+        retried = await retries.record(conn, moved)
         deleted = await conn.fetch(
             f"""
             DELETE FROM running_jobs WHERE id = ANY($3::uuid[]) AND {_STALE}
@@ -308,7 +340,7 @@ async def reap(conn: Conn, rule: StaleRule, *, limit: int = 100) -> list[EndedLe
             rule.threshold,
             [row["id"] for row in picked],
         )
-        fresh = await _end(
+        fresh = await end_executions(
             conn,
             [identity(row) for row in deleted],
             Outcome.EXPIRED,
@@ -316,7 +348,7 @@ async def reap(conn: Conn, rule: StaleRule, *, limit: int = 100) -> list[EndedLe
             EventType.LEASE_EXPIRED,
             {},
         )
-    return [_ended_lease(row, fresh) for row in deleted]
+    return [ended_lease(row, fresh) for row in deleted] + retried
 
 
 async def cancel_session_jobs(conn: Conn, runner_session_id: UUID) -> list[UUID]:

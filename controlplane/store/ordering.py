@@ -55,8 +55,9 @@ FAIR = """(SELECT EXISTS (SELECT 1 FROM workspace_settings
                         WHERE workspace_id = $1 AND ordering = 'fair'))"""
 
 # A pending row ($1 workspace, $2 session labels, $3 rows stepped over) a claim may take: labels
-# match, not stepped over, and its key (if any) below the limit in the statement's snapshot.
-# Other policies' one-line filters go here.
+# match, not stepped over, its key (if any) below the limit in the statement's snapshot, its
+# queue deadline not passed (store/deadlines.py removes it later; a late leader never lets it
+# run), and its workspace not paused (store/pauses.py). Other policies' filters go here.
 CLAIMABLE = """workspace_id = $1 AND required_labels <@ $2::text[]
             AND NOT (id = ANY($3::uuid[]))
             AND (concurrency_key IS NULL
@@ -64,6 +65,7 @@ CLAIMABLE = """workspace_id = $1 AND required_labels <@ $2::text[]
                             WHERE k.workspace_id = $1
                               AND k.concurrency_key = pending_jobs.concurrency_key
                               AND k.running < pending_jobs.concurrency_limit))
+            AND (expires_at IS NULL OR expires_at > now())
             AND NOT EXISTS (SELECT 1 FROM paused_workspaces WHERE workspace_id = $1)"""
 
 # The plain claim's order, walked on the index.
@@ -135,9 +137,6 @@ ADMISSION = """key_room AS (
     LEFT JOIN key_room k ON k.concurrency_key = c.concurrency_key
     WHERE c.concurrency_key IS NULL OR c.nth <= c.concurrency_limit - k.running
 )"""
-
-# The ordering columns a lease copies from its pending row (and a put-back copies back).
-ORDERING_COLUMNS = "priority, concurrency_key, concurrency_limit"
 
 
 async def workspace_ordering(conn: Conn, workspace_id: UUID) -> Ordering:

@@ -33,9 +33,8 @@ from controlplane.domain.jobs import (
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.errors import EmptyRequiredLabels
 from controlplane.store import events, locks
-from controlplane.store.ordering import ORDERING_COLUMNS
 from controlplane.store.pool import Conn
-from controlplane.store.records import IDENTITY_COLUMNS, identity, json_text
+from controlplane.store.records import CARRIED_COLUMNS, IDENTITY_COLUMNS, identity, json_text
 
 ENQUEUED_CHANNEL = "cp_enqueued"
 
@@ -83,9 +82,10 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
             WITH input AS (
                 SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[],
                                      $6::uuid[], $7::text[], $8::text[], $9::timestamptz[],
-                                     $10::text[], $12::integer[], $13::text[], $14::integer[])
+                                     $10::text[], $12::integer[], $13::text[], $14::integer[],
+                                     $15::integer[], $16::integer[], $17::integer[])
                      AS t(ws, run, attempt, job, ex, project, labels, body, queued, wake,
-                          priority, ckey, climit)
+                          priority, ckey, climit, timeout, queue_timeout, retries)
             ), running AS (
                 SELECT job_execution_id AS ex FROM running_jobs
                 WHERE job_execution_id IN (SELECT ex FROM input)
@@ -95,10 +95,12 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
             ), inserted AS (
                 INSERT INTO pending_jobs (workspace_id, workflow_run_id, workflow_run_attempt_id,
                     job_id, job_execution_id, project_id, required_labels, payload, created_at,
-                    priority, concurrency_key, concurrency_limit)
+                    priority, concurrency_key, concurrency_limit,
+                    timeout_seconds, queue_timeout_seconds, expires_at, retries_on_lost)
                 SELECT ws, run, attempt, job, ex, project,
                        ARRAY(SELECT jsonb_array_elements_text(labels::jsonb)), body::jsonb, queued,
-                       priority, ckey, climit
+                       priority, ckey, climit,
+                       timeout, queue_timeout, now() + queue_timeout * interval '1 second', retries
                 FROM input
                 WHERE ex NOT IN (SELECT ex FROM running) AND ex NOT IN (SELECT ex FROM ended)
                 ON CONFLICT (job_execution_id) DO NOTHING
@@ -133,6 +135,9 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
             [j.priority for j in todo],
             [j.concurrency_key for j in todo],
             [j.concurrency_limit for j in todo],
+            [j.timeout_seconds for j in todo],
+            [j.queue_timeout_seconds for j in todo],
+            [j.retries_on_lost for j in todo],
         )
     assert row is not None
     inserted = set(row["inserted"])
@@ -151,50 +156,60 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
     return results
 
 
+def requeue_statement(condition: str, *, retry: bool) -> str:
+    """One statement returning leases to the queue in their original place: it deletes the
+    running rows matching `condition` and inserts their pending rows with the original id and
+    `created_at` (queued_at) and every carried column by name (records.CARRIED_COLUMNS). A retry
+    is the next attempt, with a fresh queue deadline; a put-back of an undelivered claim keeps
+    both. Returns each moved lease's identity, labels, attempt (the one that ended), session,
+    start and provisioned link.
+
+    Locks: the running rows (delete), then the new pending rows (insert); the caller holds the
+    execution locks first."""
+    again = {
+        "attempt": "attempt + 1",
+        "expires_at": "now() + queue_timeout_seconds * interval '1 second'",
+    }
+    carried = ", ".join(
+        again.get(column, column) if retry else column for column in CARRIED_COLUMNS.split(", ")
+    )
+    return f"""
+    WITH moved AS (
+        DELETE FROM running_jobs WHERE {condition}
+        RETURNING pending_id, {IDENTITY_COLUMNS}, {CARRIED_COLUMNS}, queued_at, runner_session_id,
+                  started_at, provisioner_id, provider_runner_id
+    ), back AS (
+        INSERT INTO pending_jobs (id, {IDENTITY_COLUMNS}, {CARRIED_COLUMNS}, created_at)
+        SELECT pending_id, {IDENTITY_COLUMNS}, {carried}, queued_at FROM moved
+    )
+    SELECT {IDENTITY_COLUMNS}, required_labels, attempt, runner_session_id, started_at,
+           provisioner_id, provider_runner_id
+    FROM moved
+    """  # noqa: S608 -- interpolates constants and the callers' literal conditions only
+
+
+_PUT_BACK = requeue_statement(
+    "job_execution_id = $1 AND runner_session_id = $2"
+    " AND first_heartbeat_at IS NULL AND cancellation_requested_at IS NULL",
+    retry=False,
+)
+
+
 async def put_back(conn: Conn, job_execution_id: UUID, runner_session_id: UUID) -> bool:
     """Return an undelivered claim to its original queue position. False when it cannot be.
 
     Only a lease that has never heartbeated (the runner never saw it) and is still held by the
     session is put back. The pending row gets its original id and created_at, so FIFO order is as
-    if it had never been claimed; a capped session gets its claim back.
+    if it had never been claimed, and every carried column (`requeue_statement`); a capped
+    session gets its claim back.
 
     Locks: execution lock (blocking) -> running row (delete) -> pending insert -> session row.
     """
     async with conn.transaction():
         await lock_executions(conn, [job_execution_id])
-        row = await conn.fetchrow(
-            f"""
-            DELETE FROM running_jobs
-            WHERE job_execution_id = $1 AND runner_session_id = $2
-              AND first_heartbeat_at IS NULL AND cancellation_requested_at IS NULL
-            RETURNING pending_id, {IDENTITY_COLUMNS}, required_labels, payload::text AS payload,
-                      queued_at, {ORDERING_COLUMNS}
-            """,  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS, ORDERING_COLUMNS
-            job_execution_id,
-            runner_session_id,
-        )
+        row = await conn.fetchrow(_PUT_BACK, job_execution_id, runner_session_id)
         if row is None:
             return False
-        await conn.execute(
-            f"""
-            INSERT INTO pending_jobs (id, {IDENTITY_COLUMNS}, required_labels, payload, created_at,
-                                      {ORDERING_COLUMNS})
-            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12, $13)
-            """,  # noqa: S608 -- interpolates constants only: IDENTITY_COLUMNS, ORDERING_COLUMNS
-            row["pending_id"],
-            row["workspace_id"],
-            row["workflow_run_id"],
-            row["workflow_run_attempt_id"],
-            row["job_id"],
-            row["job_execution_id"],
-            row["project_id"],
-            row["required_labels"],
-            row["payload"],
-            row["queued_at"],
-            row["priority"],
-            row["concurrency_key"],
-            row["concurrency_limit"],
-        )
         await conn.execute(
             """
             UPDATE runner_sessions SET claims_used = claims_used - 1

@@ -15,6 +15,27 @@ IDENTITY_COLUMNS = (
     "workspace_id, workflow_run_id, workflow_run_attempt_id, job_id, job_execution_id, project_id"
 )
 
+# The ordering columns a lease copies from its pending row (sql/0012; store/ordering.py).
+ORDERING_COLUMNS = "priority, concurrency_key, concurrency_limit"
+
+# The policy columns a pending row and its lease both have, under the same names (sql/0012 and
+# 0013): the claim copies them onto the lease (store/claiming.py), a put-back and a retry copy
+# them back (store/queue.py `requeue_statement`). A column added to both tables is added here,
+# once.
+POLICY_COLUMNS = (
+    f"{ORDERING_COLUMNS}, timeout_seconds, queue_timeout_seconds, expires_at, retries_on_lost,"
+    " attempt"
+)
+
+# Everything a lease carries back to the queue besides its identity and queue position.
+CARRIED_COLUMNS = f"required_labels, payload, {POLICY_COLUMNS}"
+
+
+def qualified(alias: str, columns: str) -> str:
+    """`columns` (a comma-separated list) each prefixed with `alias.`."""
+    return ", ".join(f"{alias}.{column}" for column in columns.split(", "))
+
+
 _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
 

@@ -37,19 +37,28 @@ async def prune_events(conn: Conn, older_than: timedelta, limit: int) -> int:
 
 
 async def prune_tombstones(conn: Conn, older_than: timedelta, limit: int) -> int:
-    return await _count_deleted(
-        conn,
+    """Delete up to `limit` old tombstones whose execution has no lease left, with the lost
+    attempts of those executions (store/retries.py), which live as long as their tombstone."""
+    deleted: int = await conn.fetchval(
         """
-        DELETE FROM ended_executions WHERE job_execution_id IN (
-            SELECT e.job_execution_id FROM ended_executions e
-            WHERE e.ended_at < now() - $1::interval
-              AND NOT EXISTS (SELECT 1 FROM running_jobs r
-                              WHERE r.job_execution_id = e.job_execution_id)
-            ORDER BY e.ended_at LIMIT $2)
+        WITH gone AS (
+            DELETE FROM ended_executions WHERE job_execution_id IN (
+                SELECT e.job_execution_id FROM ended_executions e
+                WHERE e.ended_at < now() - $1::interval
+                  AND NOT EXISTS (SELECT 1 FROM running_jobs r
+                                  WHERE r.job_execution_id = e.job_execution_id)
+                ORDER BY e.ended_at LIMIT $2)
+            RETURNING job_execution_id
+        ), attempts AS (
+            DELETE FROM execution_attempts a USING gone
+            WHERE a.job_execution_id = gone.job_execution_id
+        )
+        SELECT count(*) FROM gone
         """,
         older_than,
         limit,
     )
+    return deleted
 
 
 async def prune_runner_credentials(conn: Conn, older_than: timedelta, limit: int) -> int:

@@ -15,6 +15,7 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane import metrics
 from controlplane.actors.feed import FeedWatch
+from controlplane.domain import lifetimes
 from controlplane.domain.credentials import Credential
 from controlplane.domain.jobs import JobIdentity, NewJob, Outcome
 from controlplane.domain.labels import canonicalise
@@ -34,6 +35,7 @@ from controlplane.web.endpoints import bound
 from controlplane.web.operations import KNOBS, OAK, Op, operation
 from controlplane.web.queries import decode
 from controlplane.wire import orchestrator as wire
+from controlplane.wire.common import whole
 from controlplane.wire.queries import EventsQuery
 
 
@@ -70,16 +72,16 @@ def _event_cursor(raw: str | None) -> tuple[int, int]:
     return (xid, seq)
 
 
-def _new_job(job: wire.EnqueueJob, limits: QueueSettings, index: int) -> NewJob:
-    max_payload = limits.max_payload_bytes
+def _new_job(job: wire.EnqueueJob, queue_knobs: QueueSettings, index: int) -> NewJob:
+    max_payload = queue_knobs.max_payload_bytes
     check_ordering(
         index,
         job.priority,
         job.concurrency_key,
         job.concurrency_limit,
-        priority_min=limits.priority_min,
-        priority_max=limits.priority_max,
-        max_limit=limits.max_concurrency_limit,
+        priority_min=queue_knobs.priority_min,
+        priority_max=queue_knobs.priority_max,
+        max_limit=queue_knobs.max_concurrency_limit,
     )
     if len(job.payload) > max_payload:
         raise PayloadTooLarge(
@@ -104,6 +106,26 @@ def _new_job(job: wire.EnqueueJob, limits: QueueSettings, index: int) -> NewJob:
         priority=job.priority,
         concurrency_key=job.concurrency_key,
         concurrency_limit=job.concurrency_limit,
+        timeout_seconds=lifetimes.resolve(
+            whole(job.timeout_seconds),
+            lifetimes.Bounds(queue_knobs.default_timeout_seconds, queue_knobs.max_timeout_seconds),
+            field="timeout_seconds",
+            index=index,
+        ),
+        queue_timeout_seconds=lifetimes.resolve(
+            whole(job.queue_timeout_seconds),
+            lifetimes.Bounds(
+                queue_knobs.default_queue_timeout_seconds, queue_knobs.max_queue_timeout_seconds
+            ),
+            field="queue_timeout_seconds",
+            index=index,
+        ),
+        retries_on_lost=lifetimes.resolve(
+            int(job.retries_on_lost),
+            lifetimes.Bounds(0, queue_knobs.max_retries_on_lost, minimum=0),
+            field="retries_on_lost",
+            index=index,
+        ),
     )
 
 
@@ -116,7 +138,14 @@ def _new_job(job: wire.EnqueueJob, limits: QueueSettings, index: int) -> NewJob:
         "forbidden priority-out-of-range concurrency-key-incomplete concurrency-limit-out-of-range",
         notes=f"At most queue.max_batch_size (default {KNOBS.queue.max_batch_size}) jobs; "
         f"a payload is a JSON object of at most queue.max_payload_bytes (default "
-        f"{KNOBS.queue.max_payload_bytes}) bytes. One result per job, in order.",
+        f"{KNOBS.queue.max_payload_bytes}) bytes. One result per job, in order. "
+        "`timeout_seconds` is at most queue.max_timeout_seconds (default "
+        f"{KNOBS.queue.max_timeout_seconds}; absent: {KNOBS.queue.default_timeout_seconds}), "
+        "`queue_timeout_seconds` at most queue.max_queue_timeout_seconds (default "
+        f"{KNOBS.queue.max_queue_timeout_seconds}; absent: "
+        f"{KNOBS.queue.default_queue_timeout_seconds}), `retries_on_lost` at most "
+        f"queue.max_retries_on_lost (default {KNOBS.queue.max_retries_on_lost}); beyond is 400 "
+        "`validation-error` naming the field, and nothing of the request is enqueued.",
     )
 )
 async def enqueue(svc: Deps, request: Request) -> Response:
@@ -219,6 +248,17 @@ async def execution_state(svc: Deps, request: Request) -> Response:
             exit_code=found.exit_code,
             output_tail=found.output_tail,
             waiting=waiting,
+            attempt=found.attempt,
+            lost_attempts=[
+                wire.LostAttemptOut(
+                    attempt=lost.attempt,
+                    outcome="lost",
+                    runner_session_id=lost.runner_session_id,
+                    started_at=lost.started_at,
+                    ended_at=lost.ended_at,
+                )
+                for lost in found.lost_attempts
+            ],
         )
     )
 

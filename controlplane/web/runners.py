@@ -366,7 +366,10 @@ async def _lease_for(svc: Deps, request: Request) -> auth.Lease:
         HeartbeatQuery,
         optional_body=True,
         notes="An empty or `null` body is `{}`. "
-        "`capabilities` omitted keeps the stored report, `null` clears it, an object replaces it.",
+        "`capabilities` omitted keeps the stored report, `null` clears it, an object replaces it. "
+        "`cancel` is true once the orchestrator cancelled or the lease's run deadline (its start "
+        "plus the job's `timeout_seconds`) passed; a heartbeat held across that deadline is "
+        "answered at it.",
     )
 )
 async def heartbeat(svc: Deps, request: Request) -> Response:
@@ -387,9 +390,16 @@ async def heartbeat(svc: Deps, request: Request) -> Response:
             else:
                 as_json = None if capabilities is None else capabilities.as_json()
                 result = await leases.heartbeat(conn, execution, session_id, as_json)
-        cancel = result.cancellation_requested
+        cancel = result.must_stop
         if not cancel and wait > 0:
-            await hold(request, cancelled, wait)
+            # The run deadline never moves: a hold that reaches it answers cancel itself, with
+            # no re-read (`timeout_in` is measured by the database's clock, at the heartbeat).
+            until_deadline = result.timeout_in
+            if until_deadline is not None and until_deadline < wait:
+                left = await hold(request, cancelled, until_deadline)
+                cancel = not (left or cancelled.is_set() or svc.closing.is_set())
+            else:
+                await hold(request, cancelled, wait)
             if cancelled.is_set() and not svc.closing.is_set():
                 async with svc.pool.acquire() as conn:
                     cancel = await executions.cancel_requested(conn, execution, session_id)

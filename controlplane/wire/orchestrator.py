@@ -61,6 +61,44 @@ class EnqueueJob(Strict):
         ]
         | None
     ) = None
+    # The life of an execution (docs/policies.md); each within the bounds its setting names,
+    # checked by the route (web/orchestrator.py; the published maxima are those settings). Whole
+    # numbers, also written as 5.0, as JSON Schema's `integer` admits.
+    timeout_seconds: (
+        Annotated[
+            float,
+            msgspec.Meta(
+                ge=1,
+                le=2**31 - 1,
+                multiple_of=1,
+                description="Run timeout, whole seconds: 1..queue.max_timeout_seconds; absent: "
+                "queue.default_timeout_seconds.",
+            ),
+        ]
+        | None
+    ) = None
+    queue_timeout_seconds: (
+        Annotated[
+            float,
+            msgspec.Meta(
+                ge=1,
+                le=2**31 - 1,
+                multiple_of=1,
+                description="Queue timeout, whole seconds: 1..queue.max_queue_timeout_seconds; "
+                "absent: queue.default_queue_timeout_seconds.",
+            ),
+        ]
+        | None
+    ) = None
+    retries_on_lost: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0,
+            le=2**31 - 1,
+            multiple_of=1,
+            description="Retries of a lease lost with its runner: 0..queue.max_retries_on_lost.",
+        ),
+    ] = 0
 
 
 class EnqueueRequest(Strict):
@@ -98,6 +136,18 @@ class ExecutionState(Strict):
     exit_code: int | None = None  # as the runner reported it
     output_tail: str | None = None  # the end of the job's output, as the runner reported it
     waiting: WaitingOut | None = None  # while pending: who could take it, and whether anyone can
+    attempt: int | None = None  # while pending or running: 1, or n + 1 after n retries
+    lost_attempts: list[LostAttemptOut] = msgspec.field(default_factory=list)
+
+
+class LostAttemptOut(Strict):
+    """An earlier attempt whose lease was lost with its runner and retried."""
+
+    attempt: int
+    outcome: Literal["lost"]
+    runner_session_id: UUID
+    started_at: datetime
+    ended_at: datetime
 
 
 class EventOut(Strict):

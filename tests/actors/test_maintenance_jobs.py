@@ -12,6 +12,7 @@ import pytest
 import trio.testing
 
 from controlplane import metrics
+from controlplane.actors.maintenance.deadlines import Deadlines
 from controlplane.actors.maintenance.provisioning import ProvisioningUpkeep
 from controlplane.actors.maintenance.reaper import LeaseReaper
 from controlplane.actors.maintenance.retention import Retention
@@ -70,6 +71,51 @@ async def test_the_reaper_repeats_batches_until_one_is_short_and_counts_them() -
         _sample("controlplane_reservation_units_released_total", source="maintenance")
         == released + 3
     )
+
+
+async def test_the_reaper_counts_retried_leases_apart_from_expired_ones() -> None:
+    class Mixed:
+        async def reap(self, rule: StaleRule, limit: int) -> tuple[list[EndedLease], int]:
+            retried = EndedLease(
+                _lease().identity, None, None, False, newly_ended=False, retried=True
+            )
+            return [_lease(), retried, retried], 0
+
+    expired = _sample("controlplane_leases_expired_total")
+    retried = _sample("controlplane_jobs_retried_total")
+    assert await LeaseReaper(Mixed(), rule=StaleRule(), interval=5, limit=10).run_once() == 3
+    assert _sample("controlplane_leases_expired_total") == expired + 1
+    assert _sample("controlplane_jobs_retried_total") == retried + 2
+
+
+# The execution deadlines -------------------------------------------------------------------------
+
+
+class FakeDeadlineStore:
+    def __init__(self, timed: tuple[int, ...], expired: tuple[int, ...]) -> None:
+        self.timed, self.expired = Batches(*timed), Batches(*expired)
+        self.graces: list[timedelta] = []
+
+    async def time_out(self, grace: timedelta, limit: int) -> tuple[list[EndedLease], int]:
+        self.graces.append(grace)
+        return [_lease() for _ in range(self.timed.next(limit))], 0
+
+    async def expire_queued(self, limit: int) -> int:
+        return self.expired.next(limit)
+
+
+async def test_the_deadlines_round_drains_timeouts_then_queue_expiries_and_counts_them() -> None:
+    store = FakeDeadlineStore((10, 4), (10, 10, 0))
+    job = Deadlines(store, grace=timedelta(seconds=60), interval=5, limit=10)
+    timed = _sample("controlplane_jobs_timed_out_total")
+    expired = _sample("controlplane_jobs_queue_expired_total")
+
+    assert await job.run_once() == (14, 20)
+
+    assert store.timed.limits == [10, 10] and store.expired.limits == [10, 10, 10]
+    assert store.graces == [timedelta(seconds=60)] * 2
+    assert _sample("controlplane_jobs_timed_out_total") == timed + 14
+    assert _sample("controlplane_jobs_queue_expired_total") == expired + 20
 
 
 async def test_an_idle_reaper_round_is_one_statement() -> None:

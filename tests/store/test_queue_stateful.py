@@ -16,7 +16,11 @@ separate observer connection, plus a small Python model:
   back) but no event; the model records exactly those and they must have zero events;
 * no ended execution is pending, a lease next to a tombstone is cancellation-requested, a
   tombstone never disappears, and an enqueue replay of an ended execution reports ENDED;
-* no operation raised anything but the expected domain errors (no deadlock, no lock timeout).
+* no operation raised anything but the expected domain errors (no deadlock, no lock timeout);
+* the life of an execution (docs/policies.md Q-40..): jobs carry run and queue timeouts and
+  retries on a lost runner, the leader's run timeout and queue expiry race the rest, and no
+  execution is ever retried beyond its limit (its attempt never exceeds `retries_on_lost` + 1,
+  and it has exactly `attempt` - 1 lost attempts on record).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from controlplane.domain.jobs import (
 )
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.errors import RunnerSessionExhausted, RunningJobExecutionNotFound
-from controlplane.store import claiming, leases, queue
+from controlplane.store import claiming, deadlines, leases, queue
 from controlplane.store.pool import PoolSettings, server_settings
 from tests.conftest import with_database
 from tests.factories import capped_session, manual_session, new_job
@@ -68,13 +72,27 @@ COMPLETE_OUTCOMES = [Outcome.SUCCEEDED, Outcome.FAILED, Outcome.CANCELLED]
 RECONCILE_OUTCOMES = [Outcome.CANCELLED, Outcome.SUCCEEDED]
 REAP_LIMITS = [1, 2, 100]
 KEYS: list[tuple[str, int] | None] = [("one", 1), ("two", 2), None, None]
-TERMINAL = ("job.completed", "job.cancelled", "job.lease_expired")
-# Who ended an execution decides its one terminal event.
+TERMINAL = (
+    "job.completed",
+    "job.cancelled",
+    "job.lease_expired",
+    "job.timed_out",
+    "job.queue_expired",
+)
+# Who ended an execution, and how, decides its one terminal event.
 EVENT_FOR_ENDED_BY = {
     "runner": "job.completed",
     "orchestrator": "job.cancelled",
     "reaper": "job.lease_expired",
 }
+EVENT_FOR_LEADER_OUTCOME = {
+    "expired": "job.lease_expired",
+    "timed_out": "job.timed_out",
+    "queue_expired": "job.queue_expired",
+}
+TIMEOUT_GRACE = timedelta(seconds=60)
+# A job's life policies, picked per new job: (run timeout, queue timeout, retries on lost).
+LIFETIMES = [(None, None, 0), (60, None, 1), (3600, 60, 2), (None, 60, 0), (60, 120, 0)]
 KINDS = [
     "enqueue",
     "enqueue",
@@ -85,6 +103,8 @@ KINDS = [
     "reconcile",
     "reap",
     "put_back",
+    "time_out",
+    "expire",
 ]
 T = TypeVar("T")
 STALE = StaleRule()  # 180 s threshold, 60 s no-first-heartbeat grace
@@ -250,6 +270,13 @@ class QueueMachine(RuleBasedStateMachine):
                 timedelta(seconds=seconds),
             )
         )
+        # Queue deadlines age with the leases, so the leader's queue expiry finds work too.
+        self._run(
+            self.db.execute(
+                "UPDATE pending_jobs SET expires_at = expires_at - $1::interval",
+                timedelta(seconds=seconds),
+            )
+        )
         self.steps.append(f"age_leases {seconds}s x{len(targets)}")
 
     # ---------------------------------------------------------------------- the batch rule
@@ -289,13 +316,20 @@ class QueueMachine(RuleBasedStateMachine):
         self.unexpected.append(message)
 
     def _new_job(self, labels: LabelSet, offset: int) -> NewJob:
-        # Ordering (issue 14): three priorities, and one job in four under each of two keys.
-        job = new_job(
-            self.workspace,
-            list(labels),
-            queued_at=self.base_time + timedelta(seconds=offset),
-            priority=offset % 3 - 1,
-            key=KEYS[len(self.jobs) % len(KEYS)],
+        # Ordering: three priorities, and one job in four under each of two keys; life policies
+        # picked per new job.
+        run_timeout, queue_timeout, retries = LIFETIMES[len(self.jobs) % len(LIFETIMES)]
+        job = replace(
+            new_job(
+                self.workspace,
+                list(labels),
+                queued_at=self.base_time + timedelta(seconds=offset),
+                priority=offset % 3 - 1,
+                key=KEYS[len(self.jobs) % len(KEYS)],
+            ),
+            timeout_seconds=run_timeout,
+            queue_timeout_seconds=queue_timeout,
+            retries_on_lost=retries,
         )
         self.jobs.append(job)
         return job
@@ -323,6 +357,8 @@ class QueueMachine(RuleBasedStateMachine):
             return self._plan_lease_op(op, ended_before, current)
         if op.kind == "reconcile":
             return self._plan_reconcile(op, ended_before)
+        if op.kind in ("time_out", "expire"):
+            return self._plan_deadline(op, ended_before)
         assert op.kind == "reap"
         return self._plan_reap(op, ended_before)
 
@@ -434,6 +470,28 @@ class QueueMachine(RuleBasedStateMachine):
 
         return Planned(label, lambda conn: leases.reap(conn, STALE, limit=limit), check)
 
+    def _plan_deadline(self, op: Op, ended_before: set[UUID]) -> Planned:
+        limit = REAP_LIMITS[op.pick % len(REAP_LIMITS)]
+        label = f"{op.kind} limit={limit}"
+
+        def check(ended: list[UUID]) -> None:
+            if len(ended) > limit:
+                self._violation(f"{label}: ended {len(ended)}")
+            for ex in ended:
+                if ex in ended_before:
+                    self._violation(f"{label}: ended {ex} a second time")
+                self.ever_ended.add(ex)
+
+        async def run(conn: asyncpg.Connection) -> list[UUID]:
+            if op.kind == "expire":
+                return [
+                    job.job_execution_id for job in await deadlines.expire_queued(conn, limit=limit)
+                ]
+            timed = await deadlines.time_out(conn, TIMEOUT_GRACE, limit=limit)
+            return [lease.identity.job_execution_id for lease in timed if lease.newly_ended]
+
+        return Planned(label, run, check)
+
     # -------------------------------------------------------------------------- invariants
 
     def _fail(self, what: str, rows: object) -> str:
@@ -536,7 +594,12 @@ class QueueMachine(RuleBasedStateMachine):
                 assert row["workspace_id"] is None, self._fail("unknown end with workspace", row)
                 assert row["ended_by"] == "orchestrator", self._fail("unknown non-cancel", row)
             assert row["events"] == 1, self._fail("several terminal events", row)
-            assert row["event_type"] == EVENT_FOR_ENDED_BY[row["ended_by"]], self._fail(
+            expected = (
+                EVENT_FOR_LEADER_OUTCOME[row["outcome"]]
+                if row["ended_by"] == "reaper"
+                else EVENT_FOR_ENDED_BY[row["ended_by"]]
+            )
+            assert row["event_type"] == expected, self._fail(
                 "terminal event does not match the tombstone", row
             )
             assert row["event_outcome"] == row["outcome"], self._fail("outcome mismatch", row)
@@ -580,6 +643,26 @@ class QueueMachine(RuleBasedStateMachine):
             )
         )
         assert not live, self._fail("an ended execution has a live, uncancelled lease", live)
+
+    @invariant()
+    def never_retried_beyond_the_limit(self) -> None:
+        over = self._run(
+            self.db.fetch(
+                """
+                SELECT job_execution_id, attempt, retries_on_lost,
+                       (SELECT count(*) FROM execution_attempts a
+                         WHERE a.job_execution_id = q.job_execution_id) AS lost
+                FROM (SELECT job_execution_id, attempt, retries_on_lost FROM pending_jobs
+                      UNION ALL
+                      SELECT job_execution_id, attempt, retries_on_lost FROM running_jobs) AS q
+                """
+            )
+        )
+        for row in over:
+            assert row["attempt"] <= row["retries_on_lost"] + 1, self._fail(
+                "retried too often", row
+            )
+            assert row["lost"] == row["attempt"] - 1, self._fail("lost attempts not kept", row)
 
 
 SETTINGS = settings(

@@ -386,6 +386,8 @@ async def test_execution_state_follows_the_execution_from_pending_to_ended(api: 
             "busy_runners": 0,
             "templates": 0,
         },
+        "attempt": 1,
+        "lost_attempts": [],
     }
     claimed = await api.request_job(await api.register())
     assert claimed.status_code == 200

@@ -1,5 +1,6 @@
-"""The lease reaper: expires leases whose runner stopped heartbeating, and gives back the unit of
-a provisioned runner that ended with its lease (spec 4.14).
+"""The lease reaper: expires leases whose runner stopped heartbeating (or puts them back in the
+queue as their next attempt, when their job asked for retries and has some left: store/retries.py),
+and gives back the unit of a provisioned runner that ended with its lease (spec 4.14).
 
 Each batch is the store's: `leases.reap` (execution try-locks, then rows: see its docstring and
 docs/concurrency.md), then `runner_release.release_after_leases`, one transaction per lease after
@@ -54,9 +55,13 @@ class LeaseReaper:
             expired, released = await self._store.reap(self._rule, self._limit)
             if released:
                 metrics.units_released.labels("maintenance").inc(released)
-            if expired:
-                metrics.leases_expired.inc(len(expired))
-                log.info("maintenance.leases_expired", extra={"count": len(expired)})
+            retried = sum(1 for lease in expired if lease.retried)
+            if retried:
+                metrics.jobs_retried.inc(retried)
+                log.info("maintenance.leases_retried", extra={"count": retried})
+            if len(expired) > retried:
+                metrics.leases_expired.inc(len(expired) - retried)
+                log.info("maintenance.leases_expired", extra={"count": len(expired) - retried})
             total += len(expired)
             if len(expired) < self._limit:
                 return total

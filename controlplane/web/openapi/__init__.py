@@ -184,7 +184,22 @@ def _components(
         eligibility = schemas[by_kind[SetEligibility]["$ref"].rsplit("/", 1)[1]]
         listed = eligibility["properties"]["workspace_ids"]
         listed["maxItems"] = settings.provisioners.eligibility_max_workspaces
+    if "EnqueueJob" in schemas:
+        _life_policy_maxima(schemas["EnqueueJob"], settings)
     return by_kind, dict(sorted(schemas.items()))
+
+
+def _life_policy_maxima(job: dict[str, Any], settings: Settings) -> None:
+    """An enqueued job's life policies are bounded by settings (web/orchestrator.py)."""
+    for field, maximum in (
+        ("timeout_seconds", settings.queue.max_timeout_seconds),
+        ("queue_timeout_seconds", settings.queue.max_queue_timeout_seconds),
+        ("retries_on_lost", settings.queue.max_retries_on_lost),
+    ):
+        schema = job["properties"][field]
+        for branch in schema.get("anyOf", [schema]):
+            if branch.get("type") in ("integer", "number"):
+                branch["maximum"] = maximum
 
 
 def document(routes: Sequence[BaseRoute], settings: Settings | None = None) -> dict[str, Any]:
