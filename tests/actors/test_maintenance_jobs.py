@@ -200,7 +200,7 @@ async def test_a_provisioning_round_runs_every_part_in_order() -> None:
 
 
 @pytest.mark.parametrize("broken", ["reservations", "runners", "credentials"])
-async def test_ephemeral_token_gc_and_the_gauges_survive_a_failed_upkeep(
+async def test_j132_ephemeral_token_gc_and_the_gauges_survive_a_failed_upkeep(
     broken: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Before the split a failure here skipped the ephemeral tokens for the whole round."""

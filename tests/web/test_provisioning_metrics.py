@@ -294,9 +294,12 @@ async def test_maintenance_reaps_stale_runners_and_counts_phases(
     assert after[("controlplane_runner_instances_by_phase_oldest_age_seconds", phase)] >= 0
 
 
-async def test_activation_timeout_intents_are_issued_reaped_and_honored(
+async def test_p68_activation_timeout_intents_are_repeated_but_counted_reaped_once(
     api: Api, db: asyncpg.Connection
 ) -> None:
+    """We differ in when an intent is told (on a push, not a poll), not in how it is counted: a
+    second push still carrying the intent (an advertisement forces one) counts neither `reaped`
+    nor `issued` again."""
     before = await _scrape(api)
     _, token = await workspace_provisioner(api, db)
     ws = await open_session(api.daemon, token)
@@ -317,6 +320,10 @@ async def test_activation_timeout_intents_are_issued_reaped_and_honored(
     assert ended.status_code == 200, ended.text
     await db.execute("UPDATE reservations SET expires_at = now() - interval '1 second'")
     await db.execute("UPDATE runner_instances SET created_at = now() - interval '1 hour'")
+    with anyio.fail_after(10):
+        while "vm-late" not in (await until(ws, "demand"))["terminate_provider_runner_ids"]:
+            pass
+    await advertise(ws)  # a forced push: the same intent again, now a retry
     with anyio.fail_after(10):
         while "vm-late" not in (await until(ws, "demand"))["terminate_provider_runner_ids"]:
             pass
