@@ -110,6 +110,7 @@ class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ephemeral_register_rate_limit: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 5
     ephemeral_register_rate_window_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 60
     ephemeral_token_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 7
+    divergence_by_template: bool = False
 
 
 class Events(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -331,6 +331,7 @@ def _limits(svc: Deps) -> Limits:
         reconcile_grace=timedelta(seconds=knobs.reconcile_terminate_grace_seconds),
         ephemeral_ttl=timedelta(seconds=knobs.ephemeral_token_ttl_seconds),
         reserved_labels=svc.reserved_labels,
+        divergence_by_template=knobs.divergence_by_template,
     )
 
 

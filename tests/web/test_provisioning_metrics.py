@@ -4,7 +4,7 @@ real WebSocket control sessions and real HTTP against one daemon (scraped like P
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,6 +19,9 @@ from tests import provisioning
 from tests.web import conftest
 from tests.web.conftest import Api, run_daemon
 from tests.web.control_client import hello, open_session, send
+from tests.web.metrics_client import Samples
+from tests.web.metrics_client import mover as _mover
+from tests.web.metrics_client import scrape as _scrape
 from tests.web.provisioning_client import (
     activate,
     advertise,
@@ -30,8 +33,6 @@ from tests.web.provisioning_client import (
 )
 
 pytestmark = pytest.mark.anyio
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 PROVISIONING = {
     "controlplane_runner_reports",
@@ -57,25 +58,13 @@ PROVISIONING = {
     "controlplane_provisioner_control_sessions",
     "controlplane_runner_instances_by_phase",
     "controlplane_runner_instances_by_phase_oldest_age_seconds",
+    "controlplane_runner_control_session_to_assignment_seconds",
+    "controlplane_runner_assignment_to_activation_seconds",
+    "controlplane_runner_count_divergence",
+    "controlplane_rate_limit_checks",
+    "controlplane_rate_limit_prune_failures",
+    "controlplane_runner_instances_enrolled_without_recent_report",
 }
-
-
-async def _scrape(api: Api) -> Samples:
-    response = await api.http.get("/metrics")
-    assert response.status_code == 200
-    samples: Samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def _mover(before: Samples, after: Samples) -> Callable[..., float]:
-    def moved(name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
-    return moved
 
 
 async def _until_moved(api: Api, before: Samples, name: str, **labels: str) -> Samples:
@@ -193,6 +182,12 @@ async def test_j32_the_provisioned_path_moves_its_metrics(api: Api, db: asyncpg.
     assert moved("controlplane_runner_bootstrap_exchanges_total", outcome="accepted") == 1
     labels = {"provider": "ec2", "launch_kind": "demand"}
     assert moved("controlplane_runner_created_to_control_session_seconds_count", **labels) == 1
+    assert (
+        moved("controlplane_runner_control_session_to_assignment_seconds_count", **labels,
+              surface="enrollment")
+        == 1
+    )  # fmt: skip
+    assert moved("controlplane_runner_assignment_to_activation_seconds_count", **labels) == 1
     assert moved("controlplane_runner_control_heartbeats_total") == 1
     assert (
         moved(
