@@ -75,6 +75,7 @@ class Runners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     manual_session_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 30
     capped_session_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 7
     output_tail_bytes: Annotated[int, msgspec.Meta(ge=0, le=1024 * 1024)] = 16 * 1024
+    tool_capabilities_stale_after_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 60
 
 
 class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -35,6 +35,7 @@ from controlplane.web import (
     openapi,
     orchestrator,
     provisioners,
+    readback,
     runner_control,
     runners,
 )
@@ -138,6 +139,7 @@ def _routes(replica: Replica | None) -> list[BaseRoute]:
         *orchestrator.routes(
             given(lambda r: orchestrator.Deps(r.settings, r.pool, r.auth, r.feed, r.closing))
         ),
+        *readback.routes(given(lambda r: readback.Deps(r.settings, r.pool, r.auth))),
         *fleet.routes(given(lambda r: fleet.Deps(r.settings, r.pool, r.auth))),
         *admin.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
         *jobs.routes(given(lambda r: jobs.Deps(r.settings, r.pool, r.auth, r.feed))),
