@@ -10,19 +10,18 @@ from typing import Any
 
 import anyio
 import asyncpg
-import httpx
 import pytest
 
 from tests import provisioning
 from tests.web import conftest
-from tests.web.conftest import Api, run_daemon
+from tests.web.conftest import Api
 from tests.web.control_client import hello, open_session, send
 from tests.web.metrics_client import mover, scrape
 from tests.web.provisioning_client import (
     TEMPLATE,
     advertise,
     create_instance,
-    next_grant,
+    granted,
     until,
     workspace_provisioner,
 )
@@ -41,13 +40,8 @@ async def test_p58_divergence_is_counted_once_per_advertisement(
 ) -> None:
     """The advertisement is the provisioner's snapshot: it is compared when it arrives, and the
     rounds that follow (an enqueue, a grant) compare nothing again."""
-    _, token = await workspace_provisioner(api, db)
-    ws = await open_session(api.daemon, token)
-    await hello(ws)
     before = await scrape(api)
-    await advertise(ws, templates=[_ad(starting=2, running=1)])
-    await api.enqueue(api.job(["linux"]))
-    grant = await next_grant(ws)
+    ws, grant = await granted(api, db, templates=[_ad(starting=2, running=1)])
     moved = mover(before, await scrape(api))
     assert moved(DIVERGENCE, state="starting", direction="advertised-higher", template_key="") == 2
     assert moved(DIVERGENCE, state="running", direction="advertised-higher", template_key="") == 1
@@ -71,10 +65,8 @@ async def test_p58_divergence_is_counted_once_per_advertisement(
 
 @pytest.fixture
 async def by_template(database_url: str) -> AsyncIterator[Api]:
-    config = conftest.test_settings(provisioners__divergence_by_template=True)
-    async for daemon in run_daemon(database_url, config):
-        async with httpx.AsyncClient(base_url=daemon.address, timeout=30) as http:
-            yield Api(http=http, database_url=database_url, daemon=daemon)
+    async for api in conftest.api_with(database_url, provisioners__divergence_by_template=True):
+        yield api
 
 
 async def test_p59_s103_the_template_key_label_only_with_the_flag(
@@ -116,14 +108,6 @@ async def test_an_assign_request_observes_its_lag_once_and_a_replay_not_again(
     assert moved(histogram, **labels, surface="provisioner") == 1
     assert moved(histogram, **labels, surface="enrollment") == 0
     await ws.close()
-
-
-@pytest.fixture
-async def maintained(database_url: str) -> AsyncIterator[Api]:
-    config = conftest.test_settings(maintenance__provisioning_interval_seconds=0.2)
-    async for daemon in run_daemon(database_url, config):
-        async with httpx.AsyncClient(base_url=daemon.address, timeout=30) as http:
-            yield Api(http=http, database_url=database_url, daemon=daemon)
 
 
 async def test_the_enrolled_without_recent_report_gauge_follows_its_runners(

@@ -18,6 +18,7 @@ from tests.web.provisioning_client import (
     advertise,
     boot,
     create_instance,
+    granted,
     instance_row,
     next_grant,
     until,
@@ -238,12 +239,7 @@ async def test_p69_s90_s93_out_of_range_and_unknown_frames_close_4400_and_change
 async def test_s90_an_exhausted_reservation_gives_fewer_instances_and_says_so(
     api: Api, db: asyncpg.Connection
 ) -> None:
-    _, token = await workspace_provisioner(api, db)
-    ws = await open_session(api.daemon, token)
-    await hello(ws)
-    await advertise(ws)
-    await api.enqueue(api.job(["linux"]))
-    grant = await next_grant(ws)
+    ws, grant = await granted(api, db)
     assert grant["count"] == 1
     entry = {"reservation_id": grant["reservation_id"], "template_key": "small"}
     await send(ws, {"type": "create_instances", "request_id": "ci", "instances": [entry] * 3})
@@ -259,12 +255,7 @@ async def test_s91_assign_refuses_duplicates_and_unknown_expired_or_unenrolled_t
 ) -> None:
     """Refusals are error answers on the session (the request's id, the catalogue's code); the
     session stays open and nothing is assigned."""
-    _, token = await workspace_provisioner(api, db)
-    ws = await open_session(api.daemon, token)
-    await hello(ws)
-    await advertise(ws)
-    await api.enqueue(api.job(["linux"]))
-    grant = await next_grant(ws)
+    ws, grant = await granted(api, db)
     reservation = grant["reservation_id"]
     instance = await create_instance(ws, reservation, "vm-s91")  # created, never enrolled
 

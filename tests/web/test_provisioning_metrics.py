@@ -4,20 +4,17 @@ real WebSocket control sessions and real HTTP against one daemon (scraped like P
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
 import asyncpg
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection
 
 from tests import provisioning
-from tests.web import conftest
-from tests.web.conftest import Api, run_daemon
+from tests.web.conftest import Api
 from tests.web.control_client import hello, open_session, send
 from tests.web.metrics_client import Samples
 from tests.web.metrics_client import mover as _mover
@@ -255,15 +252,6 @@ async def test_a_failed_promotion_then_a_rebound(api: Api, db: asyncpg.Connectio
                      surface="enrollment")  # fmt: skip
     assert rejected == 1
     del control
-
-
-@pytest.fixture
-async def maintained(database_url: str) -> AsyncIterator[Api]:
-    """A daemon whose provisioning maintenance runs every 0.2 s (only /metrics is called)."""
-    config = conftest.test_settings(maintenance__provisioning_interval_seconds=0.2)
-    async for daemon in run_daemon(database_url, config):
-        async with httpx.AsyncClient(base_url=daemon.address, timeout=30) as http:
-            yield Api(http=http, database_url=database_url, daemon=daemon)
 
 
 async def test_maintenance_reaps_stale_runners_and_counts_phases(
