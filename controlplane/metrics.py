@@ -251,23 +251,69 @@ control_sessions = Gauge(
     "Live provisioner control sessions (with a running actor) on this replica.",
     registry=REGISTRY,
 )
+control_session_to_assignment = Histogram(
+    "controlplane_runner_control_session_to_assignment_seconds",
+    "From a runner instance's control session to the assignment that committed for it, by "
+    "surface (provisioner: an assign request; enrollment: a promotion at enrollment).",
+    ["provider", "launch_kind", "surface"],
+    buckets=LIFECYCLE_BUCKETS,
+    registry=REGISTRY,
+)
+assignment_to_activation = Histogram(
+    "controlplane_runner_assignment_to_activation_seconds",
+    "From a provisioned runner's assignment to its activation (its runner session).",
+    ["provider", "launch_kind"],
+    buckets=LIFECYCLE_BUCKETS,
+    registry=REGISTRY,
+)
+count_divergence = Counter(
+    "controlplane_runner_count_divergence_total",
+    "Runner instances by which a provisioner's advertised starting or running count of a "
+    "template differs from the stored instances, counted once per advertisement, by state "
+    "(starting, running), direction (backend-higher, advertised-higher) and template_key "
+    "(empty unless provisioners.divergence_by_template).",
+    ["state", "direction", "template_key"],
+    registry=REGISTRY,
+)
+rate_limit_checks = Counter(
+    "controlplane_rate_limit_checks_total",
+    "Rate-limiter checks, by action (ephemeral-register) and outcome (allowed, blocked, "
+    "unavailable).",
+    ["action", "outcome"],
+    registry=REGISTRY,
+)
+rate_limit_prune_failures = Counter(
+    "controlplane_rate_limit_prune_failures_total",
+    "Failed prunes of rate-limiter rows. They go with their ephemeral token, so this counts "
+    "maintenance rounds whose ephemeral-token GC failed.",
+    registry=REGISTRY,
+)
 
 
-_PROVIDERS_KEPT = 32
+_VALUES_KEPT = 32
 _providers: set[str] = set()
+_template_keys: set[str] = set()
+
+
+def _kept(kept: set[str], value: str) -> str:
+    """`value` if it is one of the first few distinct values of its label, else `other`."""
+    if value in kept:
+        return value
+    if len(kept) < _VALUES_KEPT and value.isascii() and len(value) <= 64:
+        kept.add(value)
+        return value
+    return "other"
 
 
 def provider_label(kind: str | None) -> str:
     """A provider kind as a label value. Provisioners name it freely, so the first few distinct
     kinds this process sees are kept and later ones become `other`; missing is `unknown`."""
-    if not kind:
-        return "unknown"
-    if kind in _providers:
-        return kind
-    if len(_providers) < _PROVIDERS_KEPT and kind.isascii() and len(kind) <= 64:
-        _providers.add(kind)
-        return kind
-    return "other"
+    return _kept(_providers, kind) if kind else "unknown"
+
+
+def template_label(key: str) -> str:
+    """A template key as a label value, bounded as provider kinds are."""
+    return _kept(_template_keys, key)
 
 
 def observe_seconds(histogram: Histogram, seconds: float, *labels: str) -> None:
@@ -317,3 +363,31 @@ class _PhaseSnapshot(Collector):
 
 runner_phases = _PhaseSnapshot()
 REGISTRY.register(runner_phases)
+
+
+class _LeaderGauge(Collector):
+    """One figure the maintenance leader counts, exposed only while fresh (as `runner_phases`)."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self._name, self._documentation = name, documentation
+        self._value = 0.0
+        self._fresh_until = 0.0
+
+    def update(self, value: float, fresh_for: float) -> None:
+        self._value = value
+        self._fresh_until = time.monotonic() + fresh_for
+
+    def collect(self) -> Iterable[Metric]:
+        gauge = GaugeMetricFamily(self._name, self._documentation)
+        if time.monotonic() < self._fresh_until:
+            gauge.add_metric([], self._value)
+        yield gauge
+
+
+enrolled_without_recent_report = _LeaderGauge(
+    "controlplane_runner_instances_enrolled_without_recent_report",
+    "Running runner instances with an open control session, no workspace and no runner session "
+    "whose last report is older than provisioners.stale_runner_threshold_seconds; maintenance "
+    "leader only.",
+)
+REGISTRY.register(enrolled_without_recent_report)

@@ -91,6 +91,7 @@ class Runners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     capped_session_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 7
     output_tail_bytes: Annotated[int, msgspec.Meta(ge=0, le=1024 * 1024)] = 16 * 1024
     paused_retry_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 30
+    tool_capabilities_stale_after_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 60
 
 
 class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -130,6 +131,7 @@ class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ephemeral_register_rate_window_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 60
     ephemeral_token_retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 7
     eligibility_max_workspaces: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 1000
+    divergence_by_template: bool = False
 
 
 class Events(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -65,7 +65,8 @@ anything else `failed` with the exit code.
 
 Managed mode (--bootstrap-token): trade the bootstrap token for a control session, enroll,
 wait for an assignment, register a one-claim session with the activation token, run that one job
-and exit 0.
+and exit 0. $CONTROLPLANE_BOOTSTRAP_TOKEN is removed from the environment once read, so the job
+never sees it.
 
 Retries: a 401 on the job request registers again with the same token; 5xx and transport errors
 back off with full jitter from 1 s up to 5 s; 409 runner-session-exhausted exits 0; a refused

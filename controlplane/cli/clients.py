@@ -49,6 +49,8 @@ def _cmd_runner(args: argparse.Namespace) -> int:
             bootstrap, "CONTROLPLANE_BOOTSTRAP_TOKEN", "cp_rbt_", "a bootstrap token"
         )
         token = ""
+        # Read once: the jobs this runner starts inherit its environment, and must not see it.
+        os.environ.pop("CONTROLPLANE_BOOTSTRAP_TOKEN", None)
     else:
         token = _secret(args.token, "CONTROLPLANE_RUNNER_TOKEN", "cp_mrt_", "a registration token")
     options = RunnerOptions(

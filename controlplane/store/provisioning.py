@@ -34,12 +34,14 @@ from controlplane.store import (
     demand,
     demand_inputs,
     ephemeral,
+    lifecycle,
     reconcile,
     reservation_cleanup,
     reservations,
     runner_instances,
     runner_reports,
 )
+from controlplane.store.lifecycle import Assigned
 from controlplane.store.pool import Conn, Pool
 from controlplane.store.provisioner_sessions import fence, hold_fence, take_over
 
@@ -164,11 +166,18 @@ class SessionStore:
                 conn, self.provisioner.id, runner_instance_id, provider_runner_id
             )
 
-    async def assign(self, reservation_id: UUID, runner_instance_ids: Sequence[UUID]) -> list[UUID]:
+    async def assign(self, reservation_id: UUID, runner_instance_ids: Sequence[UUID]) -> Assigned:
+        """The assignment, and in the same transaction the lags of the instances it assigned
+        (a plain read of the rows the assignment already locked: no lock of its own)."""
         async with self._fenced() as conn:
-            return await runner_instances.assign(
+            ids = await runner_instances.assign(
                 conn, self.provisioner.id, reservation_id, runner_instance_ids
             )
+            return Assigned(ids, await lifecycle.assignment_lags(conn, ids, this_transaction=True))
+
+    async def instance_counts(self) -> dict[tuple[str, str], int]:
+        async with self.pool.acquire() as conn:
+            return await lifecycle.instance_counts(conn, self.provisioner.id)
 
     async def report(
         self,

@@ -39,6 +39,7 @@ from controlplane.web.operations import (
 )
 from controlplane.web.paging import Page, cut, page_of
 from controlplane.web.queries import decode
+from controlplane.web.readback import queue_out
 from controlplane.wire import admin as wire
 from controlplane.wire.queries import PageQuery, TokenPageQuery
 
@@ -212,23 +213,7 @@ async def queue_overview(svc: Deps, request: Request) -> Response:
         wire.QueueOut(
             pending=depth.pending,
             running=depth.running,
-            workspaces=[
-                wire.WorkspaceQueue(
-                    workspace_id=c.workspace_id,
-                    queued=c.queued,
-                    running=c.running,
-                    labels=[
-                        wire.LabelQueue(
-                            labels=list(group.labels),
-                            queued=group.queued,
-                            running=group.running,
-                            oldest_queued_at=group.oldest_queued_at,
-                        )
-                        for group in c.labels
-                    ],
-                )
-                for c in counts
-            ],
+            workspaces=[queue_out(c) for c in counts],
         )
     )
 

@@ -37,6 +37,7 @@ from controlplane.web import (
     orchestrator,
     pauses,
     provisioners,
+    readback,
     runner_control,
     runners,
     workspace_settings,
@@ -148,6 +149,7 @@ def _routes(replica: Replica | None) -> list[BaseRoute]:
         *orchestrator.routes(
             given(lambda r: orchestrator.Deps(r.settings, r.pool, r.auth, r.feed, r.closing))
         ),
+        *readback.routes(given(lambda r: readback.Deps(r.settings, r.pool, r.auth))),
         *fleet.routes(given(lambda r: fleet.Deps(r.settings, r.pool, r.auth))),
         *admin.routes(given(lambda r: admin.Deps(r.settings, r.pool, r.auth, r.keys))),
         *workspace_settings.routes(

@@ -5,7 +5,8 @@ provisioner's instances, of either scope."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from uuid import UUID
 
 import asyncpg
 from starlette.requests import Request
@@ -17,7 +18,7 @@ from controlplane.domain.labels import label_error
 from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import InvalidInput
 from controlplane.settings import Settings
-from controlplane.store import fleet, queries
+from controlplane.store import capabilities, fleet, queries
 from controlplane.web import auth
 from controlplane.web.edge import (
     json_response,
@@ -32,6 +33,7 @@ from controlplane.web.operations import (
 )
 from controlplane.web.paging import cut, page_of
 from controlplane.web.queries import decode
+from controlplane.web.readback import effective_out
 from controlplane.wire import admin as wire
 from controlplane.wire.queries import (
     ActiveInstancesQuery,
@@ -52,11 +54,14 @@ class Deps:
 
 @operation(
     Op(
-        "Runners seen recently, with their leases",
+        "Runners seen recently, with their leases and effective tool capabilities",
         ADM,
         None,
         wire.ActiveRunners,
         query=ActiveRunnersQuery,
+        notes="`capabilities` counts a report older than "
+        "runners.tool_capabilities_stale_after_seconds (default "
+        f"{KNOBS.runners.tool_capabilities_stale_after_seconds}) as none.",
     )
 )
 async def active_runners(svc: Deps, request: Request) -> Response:
@@ -65,11 +70,16 @@ async def active_runners(svc: Deps, request: Request) -> Response:
     workspace, window = query.workspace_id, query.window_seconds
     async with svc.pool.acquire() as conn:
         found = await queries.active_runners(conn, workspace, timedelta(seconds=window))
-    return runners_out(found)
+        reports = await capabilities.session_reports(conn, [r.runner_session_id for r in found])
+    return runners_out(found, reports, svc.settings)
 
 
-def runners_out(found: list[queries.ActiveRunner]) -> Response:
-    """The active runners' answer (the admin view's and a workspace's own)."""
+def runners_out(
+    found: list[queries.ActiveRunner], reports: dict[UUID, capabilities.Report], settings: Settings
+) -> Response:
+    """The active runners' answer (the admin view's and a workspace's own), each with its
+    effective tool capabilities (`reports`, by session)."""
+    absent = capabilities.Report(None, None, datetime.now(UTC))  # a session deleted meanwhile
     return json_response(
         wire.ActiveRunners(
             items=[
@@ -80,6 +90,9 @@ def runners_out(found: list[queries.ActiveRunner]) -> Response:
                     labels=list(runner.labels),
                     last_seen_at=runner.last_seen_at,
                     running=runner.running,
+                    capabilities=effective_out(
+                        reports.get(runner.runner_session_id, absent), settings
+                    ),
                 )
                 for runner in found
             ]

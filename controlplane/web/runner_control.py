@@ -15,6 +15,7 @@ from uuid import UUID
 
 import anyio
 import asyncpg
+from prometheus_client import Histogram
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -25,7 +26,8 @@ from controlplane.domain.control_sessions import Enrollment
 from controlplane.domain.labels import LabelSet, provisioned_labels
 from controlplane.errors import BootstrapTokenInvalid
 from controlplane.settings import Settings
-from controlplane.store import activations, control_sessions, fleet, runner_instances
+from controlplane.store import activations, control_sessions, fleet, lifecycle, runner_instances
+from controlplane.store.pool import Conn
 from controlplane.web import auth
 from controlplane.web.edge import hold as hold_until
 from controlplane.web.edge import json_response, read_json, reject_duplicate_tools
@@ -86,7 +88,11 @@ async def exchange(svc: Deps, request: Request) -> Response:
         log.info("runner.bootstrap_exchange", extra={"outcome": "rejected"})
         raise
     metrics.bootstrap_exchanges.labels("accepted").inc()
-    await _observe_created_to_control_session(svc, done.runner_instance_id)
+    await observe_lifecycle(
+        svc.pool,
+        lambda conn: fleet.since_created(conn, done.runner_instance_id),
+        metrics.created_to_control_session,
+    )
     log.info(
         "runner.bootstrap_exchange",
         extra={"outcome": "accepted", "runner_instance_id": str(done.runner_instance_id)},
@@ -100,18 +106,28 @@ async def exchange(svc: Deps, request: Request) -> Response:
     )
 
 
-async def _observe_created_to_control_session(svc: Deps, runner_id: UUID) -> None:
+async def observe_lifecycle(
+    pool: asyncpg.Pool,
+    read: Callable[[Conn], Awaitable[fleet.Since | None]],
+    histogram: Histogram,
+    *extra: str,
+) -> None:
+    """Observe a lifecycle duration that `read` finds after the step committed; a metric never
+    fails the request, so a failed read is only logged."""
     try:
-        async with svc.pool.acquire() as conn:
-            since = await fleet.since_created(conn, runner_id)
-    except Exception as error:  # a metric never fails the request
+        async with pool.acquire() as conn:
+            since = await read(conn)
+    except Exception as error:
         log.warning("metrics.lifecycle_read_failed", extra={"error": repr(error)})
         return
     if since is not None:
         provider = metrics.provider_label(since.provider_kind)
-        metrics.observe_seconds(
-            metrics.created_to_control_session, since.seconds, provider, since.launch_kind
-        )
+        metrics.observe_seconds(histogram, since.seconds, provider, since.launch_kind, *extra)
+
+
+async def _lag(conn: Conn, runner_id: UUID) -> fleet.Since | None:
+    lags = await lifecycle.assignment_lags(conn, [runner_id])
+    return lags[0] if lags else None
 
 
 # Assignment rejections that are promotion failures of the spec's vocabulary keep their name;
@@ -167,6 +183,13 @@ async def enrollment(svc: Deps, request: Request) -> Response:
             activation_ttl=ttl,
         )
     _count_enrollment(enrolled)
+    if enrolled.activation_token is not None or enrolled.not_issued is not None:
+        await observe_lifecycle(  # the promotion committed: an assignment at enrollment
+            svc.pool,
+            lambda conn: _lag(conn, session.runner_instance_id),
+            metrics.control_session_to_assignment,
+            "enrollment",
+        )
     log.info(
         "runner.enrolled",
         extra={

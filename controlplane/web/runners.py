@@ -34,7 +34,7 @@ from controlplane.errors import (
     ShuttingDown,
 )
 from controlplane.settings import Settings
-from controlplane.store import activations, claiming, executions, leases, sessions
+from controlplane.store import activations, claiming, executions, leases, lifecycle, sessions
 from controlplane.store import ephemeral as ephemeral_store
 from controlplane.store.pool import borrow
 from controlplane.web import auth
@@ -42,6 +42,7 @@ from controlplane.web.edge import hold, json_response, path_uuid, read_json, rej
 from controlplane.web.endpoints import bound
 from controlplane.web.operations import ERT, JL, KNOBS, MRT, RAT, RS, Op, operation
 from controlplane.web.queries import decode
+from controlplane.web.runner_control import observe_lifecycle
 from controlplane.wire.common import Capabilities
 from controlplane.wire.queries import HeartbeatQuery, JobRequestQuery
 from controlplane.wire.runners import (
@@ -181,6 +182,11 @@ async def _register_activation(svc: Deps, request: Request) -> Response:
             labels=labels,
             capabilities=None if body.capabilities is None else body.capabilities.as_json(),
         )
+    await observe_lifecycle(
+        svc.pool,
+        lambda conn: lifecycle.assignment_to_activation(conn, grant.runner_instance_id),
+        metrics.assignment_to_activation,
+    )
     claims = SessionClaims(session.id, session.workspace_id, labels, session.max_claims)
     ids = {
         "runner_session_id": str(session.id),
@@ -200,6 +206,7 @@ async def _register_ephemeral(svc: Deps, request: Request) -> Response:
     reject_duplicate_tools(body.capabilities)
     knobs = svc.settings.provisioners
     ids = {"token_id": str(grant.token_id), "provisioner_id": str(grant.provisioner_id)}
+    checks = metrics.rate_limit_checks
     try:
         async with svc.pool.acquire() as conn:
             await ephemeral_store.count_attempt(
@@ -209,17 +216,20 @@ async def _register_ephemeral(svc: Deps, request: Request) -> Response:
                 window=timedelta(seconds=knobs.ephemeral_register_rate_window_seconds),
             )
     except RegistrationRateLimited as error:
+        checks.labels("ephemeral-register", "blocked").inc()
         log.warning(
             "runner.register_rate_limited",
             extra={**ids, "retry_after_seconds": error.retry_after_seconds},
         )
         raise
     except RateLimitUnavailable as error:
+        checks.labels("ephemeral-register", "unavailable").inc()
         log.error(
             "runner.register_rate_limit_unavailable",
             extra={**ids, "error": type(error.__cause__).__name__},
         )
         raise
+    checks.labels("ephemeral-register", "allowed").inc()
     labels = provisioned_labels(body.labels, grant.provisioner_scope, svc.reserved_labels)
     async with svc.pool.acquire() as conn:
         consumed = await ephemeral_store.consume(

@@ -25,7 +25,7 @@ from starlette.routing import BaseRoute, Route
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
 from controlplane.domain.credentials import Credential
 from controlplane.errors import NotFound
-from controlplane.store import credentials, provisioners, queries
+from controlplane.store import capabilities, credentials, provisioners, queries
 from controlplane.store.pool import Conn
 from controlplane.web import admin
 from controlplane.web.edge import json_response, path_uuid, read_json
@@ -228,7 +228,8 @@ async def revoke_provisioner_token(svc: Deps, request: Request) -> Response:
 
 
 @operation(
-    _op("This workspace's runners seen recently, with their leases", wire.ActiveRunners,
+    _op("This workspace's runners seen recently, with their leases and effective tool "
+        "capabilities", wire.ActiveRunners,
         query=WorkspaceRunnersQuery)
 )  # fmt: skip
 async def active_runners(svc: Deps, request: Request) -> Response:
@@ -236,7 +237,8 @@ async def active_runners(svc: Deps, request: Request) -> Response:
     window = decode(request, WorkspaceRunnersQuery, svc.settings).window_seconds
     async with svc.pool.acquire() as conn:
         found = await queries.active_runners(conn, workspace_id, timedelta(seconds=window))
-    return runners_out(found)
+        reports = await capabilities.session_reports(conn, [r.runner_session_id for r in found])
+    return runners_out(found, reports, svc.settings)
 
 
 def routes(svc: Deps | None) -> list[BaseRoute]:

@@ -11,7 +11,13 @@ import msgspec
 
 from controlplane.domain.credential_rules import Family, role_problem, scope_problem
 from controlplane.domain.credentials import Role
-from controlplane.wire.common import PLAIN_TEXT_PATTERN, Name, Strict, whole
+from controlplane.wire.common import (
+    PLAIN_TEXT_PATTERN,
+    EffectiveCapabilities,
+    Name,
+    Strict,
+    whole,
+)
 
 # A float that is a whole number: JSON Schema's `integer` admits 5.0 as well as 5.
 TtlSeconds = Annotated[
@@ -185,6 +191,7 @@ class ActiveRunnerOut(Strict):
     labels: list[str]
     last_seen_at: datetime
     running: int
+    capabilities: EffectiveCapabilities
 
 
 class ActiveRunners(Strict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import unicodedata
+from datetime import datetime
 from typing import Annotated, Any
 
 import msgspec
@@ -98,6 +99,16 @@ class Capabilities(Strict):
 
     def as_json(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)  # type: ignore[no-any-return]
+
+
+class EffectiveCapabilities(Strict):
+    """A runner session's tool capabilities as they count now: its report, or no harness at all
+    when it sent none or the report is older than runners.tool_capabilities_stale_after_seconds
+    (`report_fresh` false). `reported_at` is when the stored report was sent, fresh or not."""
+
+    capabilities: Capabilities
+    report_fresh: bool
+    reported_at: datetime | None
 
 
 class ErrorBody(Strict):

@@ -8,7 +8,8 @@ from uuid import UUID
 
 import msgspec
 
-from controlplane.wire.common import Labels, Reason, Strict
+from controlplane.wire.admin import WorkspaceQueue
+from controlplane.wire.common import EffectiveCapabilities, Labels, Reason, Strict
 from controlplane.wire.jobs import WaitingOut
 
 AwareDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
@@ -162,3 +163,22 @@ class EventOut(Strict):
 class EventsResponse(Strict):
     events: list[EventOut]
     next_cursor: str
+
+
+class LeaseState(Strict):
+    """Whether the execution is leased to that runner session (and is that job, when one was
+    named); cancellation is not considered. `capabilities`: the session's, while active."""
+
+    active: bool
+    capabilities: EffectiveCapabilities | None
+
+
+class JobCountsRequest(Strict):
+    workspace_ids: Annotated[
+        list[UUID],
+        msgspec.Meta(min_length=1, max_length=100, extra_json_schema={"uniqueItems": True}),
+    ]
+
+
+class JobCountsResponse(Strict):
+    counts: list[WorkspaceQueue]

@@ -226,3 +226,8 @@ class AssignmentQuery(Strict):
         ]
         | None
     ) = None
+
+
+class LeaseQuery(Strict):
+    runner_session_id: Annotated[UUID, Meta(description="The session the lease should be of.")]
+    job_id: Annotated[UUID, Meta(description="Also require this job id.")] | None = None

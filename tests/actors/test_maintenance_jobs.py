@@ -194,6 +194,8 @@ class FakeUpkeepStore:
         self.calls: list[str] = []
         self.broken: set[str] = set()  # the calls that raise
         self.phases = [PhaseCount("idle", "docker", "warm", 3, 12.5)]
+        self.enrolled = 2
+        self.stale_after = timedelta(0)
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -220,6 +222,11 @@ class FakeUpkeepStore:
         self._call("phases")
         return self.phases
 
+    async def enrolled_without_recent_report(self, stale_after: timedelta) -> int:
+        self._call("enrolled")
+        self.stale_after = stale_after
+        return self.enrolled
+
 
 def _upkeep(store: FakeUpkeepStore) -> ProvisioningUpkeep:
     return ProvisioningUpkeep(
@@ -240,13 +247,17 @@ async def test_a_provisioning_round_runs_every_part_in_order() -> None:
     store = FakeUpkeepStore()
     reaped = _sample("controlplane_runner_instances_reaped_total")
     assert await _upkeep(store).run_once() == (2, 4, 11)
-    assert store.calls == ["reservations", "runners", "credentials", "ephemeral", "phases"]
+    assert store.calls == [
+        "reservations", "runners", "credentials", "ephemeral", "phases", "enrolled"
+    ]  # fmt: skip
     assert _sample("controlplane_runner_instances_reaped_total") == reaped + 4
     assert _phase_sample() == 3
+    assert _sample("controlplane_runner_instances_enrolled_without_recent_report") == 2
+    assert store.stale_after == timedelta(seconds=300)  # the stale-runner threshold
 
 
 @pytest.mark.parametrize("broken", ["reservations", "runners", "credentials"])
-async def test_ephemeral_token_gc_and_the_gauges_survive_a_failed_upkeep(
+async def test_j132_ephemeral_token_gc_and_the_gauges_survive_a_failed_upkeep(
     broken: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Before the split a failure here skipped the ephemeral tokens for the whole round."""
@@ -255,7 +266,7 @@ async def test_ephemeral_token_gc_and_the_gauges_survive_a_failed_upkeep(
     store.phases = [PhaseCount("idle", "docker", "warm", 8, 1.0)]
     with caplog.at_level(logging.WARNING, logger="controlplane.maintenance"):
         expired, reaped, pruned = await _upkeep(store).run_once()
-    assert store.calls[-2:] == ["ephemeral", "phases"]
+    assert store.calls[-3:] == ["ephemeral", "phases", "enrolled"]
     assert (expired, reaped, pruned) == (0, 0, 6)  # only what the ephemeral GC pruned
     assert _phase_sample() == 8
     failures = [r for r in caplog.records if r.getMessage() == "maintenance.round_failed"]
@@ -267,8 +278,33 @@ async def test_a_failed_ephemeral_gc_or_phase_count_leaves_the_rest_counted(
 ) -> None:
     store = FakeUpkeepStore()
     store.broken = {"ephemeral", "phases"}
+    store.enrolled = 5
+    prune_failures = _sample("controlplane_rate_limit_prune_failures_total")
     with caplog.at_level(logging.WARNING, logger="controlplane.maintenance"):
         assert await _upkeep(store).run_once() == (2, 4, 5)
     events = [(r.getMessage(), r.__dict__.get("job")) for r in caplog.records]
     assert ("maintenance.round_failed", "ephemeral_gc") in events
     assert ("maintenance.phase_count_failed", None) in events
+    # The limiter rows go with their tokens: a failed token GC is a failed limiter prune.
+    assert _sample("controlplane_rate_limit_prune_failures_total") == prune_failures + 1
+    assert _sample("controlplane_runner_instances_enrolled_without_recent_report") == 5
+
+
+async def test_a_successful_ephemeral_gc_counts_no_prune_failure() -> None:
+    prune_failures = _sample("controlplane_rate_limit_prune_failures_total")
+    await _upkeep(FakeUpkeepStore()).run_once()
+    assert _sample("controlplane_rate_limit_prune_failures_total") == prune_failures
+
+
+async def test_s104_a_failing_enrolled_without_report_count_leaves_the_other_gauges(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Our queue-depth gauges are read by /metrics itself, apart from maintenance; the runner-
+    phase gauges are the ones counted beside this one, and they are still refreshed."""
+    store = FakeUpkeepStore()
+    store.broken = {"enrolled"}
+    store.phases = [PhaseCount("idle", "docker", "warm", 7, 1.0)]
+    with caplog.at_level(logging.WARNING, logger="controlplane.maintenance"):
+        assert await _upkeep(store).run_once() == (2, 4, 11)
+    assert _phase_sample() == 7
+    assert "maintenance.enrolled_count_failed" in [r.getMessage() for r in caplog.records]

@@ -33,6 +33,7 @@ from controlplane.domain.rounds import Grant, WorkspaceRound
 from controlplane.domain.runner_instances import ProvisionedRunner
 from controlplane.errors import Fenced, InvalidInput
 from controlplane.store.ephemeral import MintedToken
+from controlplane.store.lifecycle import Assigned
 from controlplane.store.provisioning import RoundTerms
 
 LINUX: LabelSet = ("linux",)
@@ -151,9 +152,12 @@ class FakeStore:
     async def attach_provider(self, runner_instance_id: UUID, provider_runner_id: str) -> bool:
         raise AssertionError("not used")
 
-    async def assign(self, reservation_id: UUID, runner_instance_ids: Sequence[UUID]) -> list[UUID]:
+    async def assign(self, reservation_id: UUID, runner_instance_ids: Sequence[UUID]) -> Assigned:
         self.calls.append("assign")
-        return list(runner_instance_ids)
+        return Assigned(list(runner_instance_ids), [])
+
+    async def instance_counts(self) -> dict[tuple[str, str], int]:
+        return {}  # a metric's read: not one of the calls the tests follow
 
     async def report(
         self,

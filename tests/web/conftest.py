@@ -96,6 +96,20 @@ async def run_daemon(database_url: str, config: settings.Settings) -> AsyncItera
         daemon.shutdown()
 
 
+async def api_with(database_url: str, **overrides: Any) -> AsyncIterator[Api]:
+    """A client (without credentials) of a daemon of its own, with settings `overrides`."""
+    async for daemon in run_daemon(database_url, test_settings(**overrides)):
+        async with httpx.AsyncClient(base_url=daemon.address, timeout=30) as http:
+            yield Api(http=http, database_url=database_url, daemon=daemon)
+
+
+@pytest.fixture
+async def maintained(database_url: str) -> AsyncIterator[Api]:
+    """A daemon whose provisioning maintenance runs every 0.2 s (only /metrics is called)."""
+    async for api in api_with(database_url, maintenance__provisioning_interval_seconds=0.2):
+        yield api
+
+
 @pytest.fixture
 async def daemon(database_url: str) -> AsyncIterator[app.Daemon]:
     async for running in run_daemon(database_url, test_settings()):

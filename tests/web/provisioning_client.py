@@ -11,7 +11,7 @@ from websockets.asyncio.client import ClientConnection
 
 from controlplane.store import provisioners
 from tests.web.conftest import Api
-from tests.web.control_client import receive, send
+from tests.web.control_client import hello, open_session, receive, send
 
 TEMPLATE = {"template_key": "small", "labels": ["linux", "x64"], "available_slots": 4}
 
@@ -54,6 +54,19 @@ async def advertise(ws: ClientConnection, expect: int | None = None, **extra: An
     answer = await until(ws, "advertised")
     expected = len(extra.get("templates", [TEMPLATE])) if expect is None else expect
     assert answer == {"type": "advertised", "request_id": "a1", "templates": expected}
+
+
+async def granted(
+    api: Api, db: asyncpg.Connection, **advertised: Any
+) -> tuple[ClientConnection, dict[str, Any]]:
+    """A workspace provisioner's open session that advertised (TEMPLATE, or `templates=`) and
+    was granted the launch of one runner for one enqueued `linux` job: (session, grant)."""
+    _, token = await workspace_provisioner(api, db)
+    ws = await open_session(api.daemon, token)
+    await hello(ws)
+    await advertise(ws, **advertised)
+    await api.enqueue(api.job(["linux"]))
+    return ws, await next_grant(ws)
 
 
 async def create_instance(

@@ -23,6 +23,7 @@ from tests.factories import holding, holding_lock
 from tests.web import conftest
 from tests.web.conftest import Api
 from tests.web.control_client import closed_with, hello, open_session, receive, send
+from tests.web.metrics_client import Samples, mover, scrape
 from tests.web.provisioning_client import (
     advertise,
     next_grant,
@@ -190,10 +191,22 @@ async def test_j106_s82_reserved_labels_follow_the_minting_provisioners_scope(
     assert (await token_row(db, only_reserved.id))["consumed_at"] is None
 
 
-async def test_j111_s73_the_sixth_attempt_in_a_window_gets_429_and_leaves_the_token_unused(
+async def _checks(api: Api, before: Samples) -> dict[str, float]:
+    """How far each outcome of the limiter's checks moved since `before`."""
+    moved = mover(before, await scrape(api))
+    return {
+        outcome: moved(
+            "controlplane_rate_limit_checks_total", action="ephemeral-register", outcome=outcome
+        )
+        for outcome in ("allowed", "blocked", "unavailable")
+    }
+
+
+async def test_j111_s73_s102_the_sixth_attempt_in_a_window_gets_429_and_leaves_the_token_unused(
     reserved_api: Api, db: asyncpg.Connection
 ) -> None:
     api = reserved_api
+    before = await scrape(api)
     token = await minted(db, api.workspace)
     # Five attempts the handler refuses after the limiter counted them (every label reserved).
     for _ in range(5):
@@ -209,12 +222,14 @@ async def test_j111_s73_the_sixth_attempt_in_a_window_gets_429_and_leaves_the_to
     assert (await token_row(db, token.id))["consumed_at"] is None
     assert await session_count(db) == 0
     assert await attempts(db, token.id) == 6
+    assert await _checks(api, before) == {"allowed": 5, "blocked": 1, "unavailable": 0}
 
 
-async def test_j112_s74_a_limiter_row_locked_past_250_ms_gets_503_and_leaves_the_token_unused(
+async def test_j112_s74_s102_a_limiter_row_locked_past_250_ms_gets_503_and_leaves_the_token_unused(
     api: Api, db: asyncpg.Connection, database_url: str
 ) -> None:
     token = await minted(db, api.workspace)
+    before = await scrape(api)
     await db.execute(
         "INSERT INTO ephemeral_registration_attempts (token_id, window_start, attempts)"
         " VALUES ($1, now(), 1)",
@@ -228,6 +243,7 @@ async def test_j112_s74_a_limiter_row_locked_past_250_ms_gets_503_and_leaves_the
     assert (await token_row(db, token.id))["consumed_at"] is None
     assert await attempts(db, token.id) == 1
     assert (await register(api, token.token)).status_code == 200
+    assert await _checks(api, before) == {"allowed": 1, "blocked": 0, "unavailable": 1}
 
 
 async def test_s78_an_invalid_body_spends_no_rate_limit_budget(

@@ -128,6 +128,56 @@ async def test_s12_a_failing_last_seen_write_does_not_fail_the_request(
     assert response.status_code == 200
 
 
+async def test_s54_creating_a_workspace_provisioner_token(api: Api, db: asyncpg.Connection) -> None:
+    """Through the admin route (no users here, so no created_by_user_id): 201, scope workspace,
+    the raw token once with our prefix, only its digest stored."""
+    created = await api.http.post(
+        "/v1/admin/provisioner-tokens",
+        json={"name": "s54", "workspace_id": str(api.workspace)},
+        headers=api.auth(api.admin_key),
+    )
+    assert created.status_code == 201, created.text
+    body = created.json()
+    assert body["token"].startswith("cp_pt_")
+    assert body["provisioner"]["scope"] == "workspace"
+    assert body["provisioner"]["workspace_id"] == str(api.workspace)
+    assert body["provisioner"]["expires_at"] is None
+    assert await db.fetchval("SELECT count(*) FROM provisioner_tokens WHERE name = 's54'") == 1
+
+
+@pytest.mark.parametrize("ttl", [31_536_001, 0, -1, 1.5])
+async def test_s55_a_provisioner_token_ttl_past_a_year_or_not_whole_is_400(
+    api: Api, db: asyncpg.Connection, ttl: float
+) -> None:
+    refused = await api.http.post(
+        "/v1/admin/provisioner-tokens",
+        json={"name": "s55", "workspace_id": str(api.workspace), "ttl_seconds": ttl},
+        headers=api.auth(api.admin_key),
+    )
+    assert (refused.status_code, _code(refused)) == (400, "validation-error")
+    assert await db.fetchval("SELECT count(*) FROM provisioner_tokens") == 0
+    accepted = await api.http.post(
+        "/v1/admin/provisioner-tokens",
+        json={"name": "s55", "workspace_id": str(api.workspace), "ttl_seconds": 31_536_000},
+        headers=api.auth(api.admin_key),
+    )
+    assert accepted.status_code == 201, accepted.text
+
+
+@pytest.mark.parametrize("workspace", ["not-a-uuid", "", 42])
+async def test_s57_a_workspace_id_that_is_not_a_uuid_is_400(
+    api: Api, db: asyncpg.Connection, workspace: object
+) -> None:
+    """On the admin route, where the workspace is a body field rather than a path segment."""
+    refused = await api.http.post(
+        "/v1/admin/provisioner-tokens",
+        json={"name": "s57", "workspace_id": workspace},
+        headers=api.auth(api.admin_key),
+    )
+    assert (refused.status_code, _code(refused)) == (400, "validation-error")
+    assert await db.fetchval("SELECT count(*) FROM provisioner_tokens") == 0
+
+
 async def test_admin_create_list_revoke_and_bad_input(api: Api, db: asyncpg.Connection) -> None:
     admin = api.auth(api.admin_key)
     created = await api.http.post(

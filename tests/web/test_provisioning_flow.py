@@ -18,6 +18,7 @@ from tests.web.provisioning_client import (
     advertise,
     boot,
     create_instance,
+    granted,
     instance_row,
     next_grant,
     until,
@@ -199,21 +200,30 @@ async def test_requests_before_hello_and_bad_requests_change_nothing(
             "templates": [{**TEMPLATE, "template_key": f"k{i}"} for i in range(1001)],
             "max_reservations": 1,
         },
+        {
+            "type": "advertise",
+            "request_id": "x",
+            "templates": [{**TEMPLATE, "labels": [f"l{i}" for i in range(21)]}],
+            "max_reservations": 1,
+        },
         {"type": "advertise", "request_id": "x", "templates": [], "max_reservations": 1, "z": 1},
         {"type": "create_instances", "request_id": "x", "instances": []},
+        {"type": "create_instances", "request_id": "x", "instances": [{}] * 501},
         {"type": "report", "request_id": "x", "events": []},
         {"type": "launch_everything", "request_id": "x"},
     ],
     ids=[
         "max-over-1000",
         "templates-over-1000",
+        "21-labels",
         "unknown-field",
         "empty-batch",
+        "batch-of-501",
         "no-events",
         "type",
     ],
 )
-async def test_p69_out_of_range_and_unknown_frames_close_4400_and_change_nothing(
+async def test_p69_s90_s93_out_of_range_and_unknown_frames_close_4400_and_change_nothing(
     api: Api, db: asyncpg.Connection, frame: dict[str, Any]
 ) -> None:
     _, token = await workspace_provisioner(api, db)
@@ -224,6 +234,48 @@ async def test_p69_out_of_range_and_unknown_frames_close_4400_and_change_nothing
     assert code in (4400, 1009)  # 1001 templates are over the frame limit
     assert await db.fetchval("SELECT count(*) FROM provisioner_templates") == 0
     assert await db.fetchval("SELECT count(*) FROM runner_instances") == 0
+
+
+async def test_s90_an_exhausted_reservation_gives_fewer_instances_and_says_so(
+    api: Api, db: asyncpg.Connection
+) -> None:
+    ws, grant = await granted(api, db)
+    assert grant["count"] == 1
+    entry = {"reservation_id": grant["reservation_id"], "template_key": "small"}
+    await send(ws, {"type": "create_instances", "request_id": "ci", "instances": [entry] * 3})
+    created = await until(ws, "instances_created", request_id="ci")
+    assert len(created["runner_instances"]) == 1
+    assert created["reservation_unavailable"] is True
+    assert await db.fetchval("SELECT count(*) FROM runner_instances") == 1
+    await ws.close()
+
+
+async def test_s91_assign_refuses_duplicates_and_unknown_expired_or_unenrolled_targets(
+    api: Api, db: asyncpg.Connection
+) -> None:
+    """Refusals are error answers on the session (the request's id, the catalogue's code); the
+    session stays open and nothing is assigned."""
+    ws, grant = await granted(api, db)
+    reservation = grant["reservation_id"]
+    instance = await create_instance(ws, reservation, "vm-s91")  # created, never enrolled
+
+    async def refused(request_id: str, reservation_id: str, runner_ids: list[str]) -> str:
+        frame = {"type": "assign", "request_id": request_id, "reservation_id": reservation_id,
+                 "runner_instance_ids": runner_ids}  # fmt: skip
+        await send(ws, frame)
+        error = await until(ws, "error", request_id=request_id)
+        return str(error["code"])
+
+    unknown = "00000000-0000-7000-8000-000000000000"
+    ids = [instance["runner_instance_id"]]
+    assert await refused("dup", reservation, ids * 2) == "validation-error"
+    assert await refused("unknown", unknown, ids) == "reservation-not-found"
+    assert await refused("unenrolled", reservation, ids) == "runner-instance-not-assignable"
+    await db.execute("UPDATE reservations SET expires_at = now() - interval '1 second'")
+    assert await refused("expired", reservation, ids) == "reservation-expired"
+    assigned = "SELECT count(*) FROM runner_instances WHERE assigned_at IS NOT NULL"
+    assert await db.fetchval(assigned) == 0
+    await ws.close()
 
 
 async def test_p69_no_or_wrong_credentials_close_4401(api: Api) -> None:

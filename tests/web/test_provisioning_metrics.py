@@ -4,21 +4,21 @@ real WebSocket control sessions and real HTTP against one daemon (scraped like P
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
 import asyncpg
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection
 
 from tests import provisioning
-from tests.web import conftest
-from tests.web.conftest import Api, run_daemon
+from tests.web.conftest import Api
 from tests.web.control_client import hello, open_session, send
+from tests.web.metrics_client import Samples
+from tests.web.metrics_client import mover as _mover
+from tests.web.metrics_client import scrape as _scrape
 from tests.web.provisioning_client import (
     activate,
     advertise,
@@ -30,8 +30,6 @@ from tests.web.provisioning_client import (
 )
 
 pytestmark = pytest.mark.anyio
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 PROVISIONING = {
     "controlplane_runner_reports",
@@ -57,25 +55,13 @@ PROVISIONING = {
     "controlplane_provisioner_control_sessions",
     "controlplane_runner_instances_by_phase",
     "controlplane_runner_instances_by_phase_oldest_age_seconds",
+    "controlplane_runner_control_session_to_assignment_seconds",
+    "controlplane_runner_assignment_to_activation_seconds",
+    "controlplane_runner_count_divergence",
+    "controlplane_rate_limit_checks",
+    "controlplane_rate_limit_prune_failures",
+    "controlplane_runner_instances_enrolled_without_recent_report",
 }
-
-
-async def _scrape(api: Api) -> Samples:
-    response = await api.http.get("/metrics")
-    assert response.status_code == 200
-    samples: Samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def _mover(before: Samples, after: Samples) -> Callable[..., float]:
-    def moved(name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
-    return moved
 
 
 async def _until_moved(api: Api, before: Samples, name: str, **labels: str) -> Samples:
@@ -193,6 +179,12 @@ async def test_j32_the_provisioned_path_moves_its_metrics(api: Api, db: asyncpg.
     assert moved("controlplane_runner_bootstrap_exchanges_total", outcome="accepted") == 1
     labels = {"provider": "ec2", "launch_kind": "demand"}
     assert moved("controlplane_runner_created_to_control_session_seconds_count", **labels) == 1
+    assert (
+        moved("controlplane_runner_control_session_to_assignment_seconds_count", **labels,
+              surface="enrollment")
+        == 1
+    )  # fmt: skip
+    assert moved("controlplane_runner_assignment_to_activation_seconds_count", **labels) == 1
     assert moved("controlplane_runner_control_heartbeats_total") == 1
     assert (
         moved(
@@ -262,15 +254,6 @@ async def test_a_failed_promotion_then_a_rebound(api: Api, db: asyncpg.Connectio
     del control
 
 
-@pytest.fixture
-async def maintained(database_url: str) -> AsyncIterator[Api]:
-    """A daemon whose provisioning maintenance runs every 0.2 s (only /metrics is called)."""
-    config = conftest.test_settings(maintenance__provisioning_interval_seconds=0.2)
-    async for daemon in run_daemon(database_url, config):
-        async with httpx.AsyncClient(base_url=daemon.address, timeout=30) as http:
-            yield Api(http=http, database_url=database_url, daemon=daemon)
-
-
 async def test_maintenance_reaps_stale_runners_and_counts_phases(
     maintained: Api, db: asyncpg.Connection
 ) -> None:
@@ -294,9 +277,12 @@ async def test_maintenance_reaps_stale_runners_and_counts_phases(
     assert after[("controlplane_runner_instances_by_phase_oldest_age_seconds", phase)] >= 0
 
 
-async def test_activation_timeout_intents_are_issued_reaped_and_honored(
+async def test_p68_activation_timeout_intents_are_repeated_but_counted_reaped_once(
     api: Api, db: asyncpg.Connection
 ) -> None:
+    """We differ in when an intent is told (on a push, not a poll), not in how it is counted: a
+    second push still carrying the intent (an advertisement forces one) counts neither `reaped`
+    nor `issued` again."""
     before = await _scrape(api)
     _, token = await workspace_provisioner(api, db)
     ws = await open_session(api.daemon, token)
@@ -317,6 +303,10 @@ async def test_activation_timeout_intents_are_issued_reaped_and_honored(
     assert ended.status_code == 200, ended.text
     await db.execute("UPDATE reservations SET expires_at = now() - interval '1 second'")
     await db.execute("UPDATE runner_instances SET created_at = now() - interval '1 hour'")
+    with anyio.fail_after(10):
+        while "vm-late" not in (await until(ws, "demand"))["terminate_provider_runner_ids"]:
+            pass
+    await advertise(ws)  # a forced push: the same intent again, now a retry
     with anyio.fail_after(10):
         while "vm-late" not in (await until(ws, "demand"))["terminate_provider_runner_ids"]:
             pass

@@ -347,13 +347,13 @@ async def test_p132_attach_over_the_control_session_happens_once(
 # --------------------------------------------------------------- assignment poll (4.7)
 
 
-def test_j135_the_wait_resolution() -> None:
+def test_j135_s87_the_wait_resolution_caps_31_at_30_and_absent_is_30() -> None:
     assert [resolve_wait(n, 30) for n in (5, 0, 30, 31, None)] == [5, 1, 30, 30, 30]
 
 
 @pytest.mark.parametrize("query", ["?wait_seconds=-1", "?wait_seconds=0", "?wait_seconds=1.5",
                                    "?wait_seconds=x", "?wait=1"])  # fmt: skip
-async def test_j135_the_wait_query_is_an_integer_of_at_least_1(
+async def test_j135_s87_the_wait_query_is_an_integer_of_at_least_1(
     api: Api, db: asyncpg.Connection, query: str
 ) -> None:
     booted = await boot(api, db)
@@ -362,7 +362,7 @@ async def test_j135_the_wait_query_is_an_integer_of_at_least_1(
     assert code(response) == "validation-error"
 
 
-async def test_j136_the_poll_keeps_reading_until_a_token_and_never_past_its_deadline() -> None:
+async def test_j136_s88_the_poll_keeps_reading_until_a_token_and_never_past_its_deadline() -> None:
     now = [0.0]
     reads: list[float] = []
     parks: list[float] = []
@@ -399,7 +399,7 @@ async def test_j136_a_disconnect_ends_the_poll() -> None:
     assert await await_activation(read, park, wait=30, interval=1, clock=lambda: 0.0) is None
 
 
-async def test_j136_the_poll_picks_up_a_runner_that_becomes_running(
+async def test_j136_s89_the_poll_picks_up_a_runner_that_becomes_running(
     api: Api, db: asyncpg.Connection
 ) -> None:
     booted = await assigned(api, db)
@@ -419,7 +419,7 @@ async def test_j136_the_poll_picks_up_a_runner_that_becomes_running(
     assert answered[0].json()["activation_token"] is not None
 
 
-async def test_p130_an_unassigned_runner_times_out_with_null(
+async def test_p130_s88_an_unassigned_runner_times_out_with_null(
     api: Api, db: asyncpg.Connection
 ) -> None:
     booted = await ready(api, db)

@@ -289,7 +289,7 @@ async def test_an_idempotent_create_replays_alike_through_the_workspace_route(ap
 # Provisioner tokens and runners ------------------------------------------------------------------
 
 
-async def test_workspace_provisioner_tokens_are_created_listed_and_revoked_in_scope(
+async def test_s56_workspace_provisioner_tokens_are_created_listed_and_revoked_in_scope(
     api: Api,
 ) -> None:
     key = await workspace_key(api)

@@ -7,8 +7,11 @@ part:
    `reservation_cleanup.delete_expired_reservations`), fail stale runner instances and release
    their units (`runner_release.reap_stale_runners`), prune spent bootstrap tokens, control
    sessions and activation tokens (`retention.prune_runner_credentials`), in that order;
-2. ephemeral-token GC (`ephemeral.prune_ephemeral_tokens`);
-3. the runner-phase gauges (`fleet.phase_counts`), exposed for three intervals.
+2. ephemeral-token GC (`ephemeral.prune_ephemeral_tokens`), which also prunes the rate-limiter
+   rows that go with the tokens (a failure counts `controlplane_rate_limit_prune_failures_total`);
+3. the runner-phase gauges (`fleet.phase_counts`) and, apart from them, the gauge of enrolled
+   runners without a recent report (`lifecycle.enrolled_without_recent_report`), each exposed for
+   three intervals; either count failing leaves the other.
 
 Each statement is its own transaction, with the locks its store docstring names, and safe on
 every replica at once.
@@ -28,6 +31,7 @@ from controlplane.actors.maintenance.job import drain
 from controlplane.store import (
     ephemeral,
     fleet,
+    lifecycle,
     reservation_cleanup,
     retention,
     runner_release,
@@ -51,6 +55,8 @@ class UpkeepStore(Protocol):
     async def prune_ephemeral_tokens(self, older_than: timedelta, limit: int) -> int: ...
 
     async def phase_counts(self) -> list[PhaseCount]: ...
+
+    async def enrolled_without_recent_report(self, stale_after: timedelta) -> int: ...
 
 
 class PoolUpkeepStore:
@@ -76,6 +82,10 @@ class PoolUpkeepStore:
     async def phase_counts(self) -> list[PhaseCount]:
         async with self._pool.acquire() as conn:
             return await fleet.phase_counts(conn)
+
+    async def enrolled_without_recent_report(self, stale_after: timedelta) -> int:
+        async with self._pool.acquire() as conn:
+            return await lifecycle.enrolled_without_recent_report(conn, stale_after)
 
 
 class ProvisioningUpkeep:
@@ -105,7 +115,10 @@ class ProvisioningUpkeep:
         a part that failed counts nothing."""
         upkeep = await _guarded("provisioning", self._upkeep)
         tokens = await _guarded("ephemeral_gc", self._prune_ephemeral)
+        if tokens is None:
+            metrics.rate_limit_prune_failures.inc()
         await self._count_phases()
+        await self._count_enrolled_without_report()
         expired, reaped, released, pruned = upkeep or (0, 0, 0, 0)
         pruned += tokens or 0
         if expired or reaped or pruned:
@@ -147,6 +160,15 @@ class ProvisioningUpkeep:
             ],
             fresh_for=3 * self.interval,
         )  # fmt: skip
+
+    async def _count_enrolled_without_report(self) -> None:
+        """Refresh the enrolled-without-recent-report gauge, apart from the phase gauges."""
+        try:
+            quiet = await self._store.enrolled_without_recent_report(self._stale_threshold)
+        except Exception as error:  # a metric must never fail the maintenance round
+            log.warning("maintenance.enrolled_count_failed", extra={"error": repr(error)})
+            return
+        metrics.enrolled_without_recent_report.update(quiet, fresh_for=3 * self.interval)
 
 
 async def _guarded(part: str, work: Callable[[], Awaitable[T]]) -> T | None:

@@ -45,6 +45,7 @@ from controlplane.actors.provisioning.rounds import (
 from controlplane.domain.assignment import Batch
 from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template, WarmLaunch, reservation_ttl, warm_pool_launches
+from controlplane.domain.divergence import divergences
 from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
 from controlplane.domain.provisioners import Provisioner
 from controlplane.domain.reports import ReconcileOutcome, ReportOutcome, RunnerEvent
@@ -80,6 +81,7 @@ class Limits:
     ephemeral_ttl: timedelta
     reserved_labels: LabelSet
     installation_fair_share: bool = False  # an installation walk shares slots across workspaces
+    divergence_by_template: bool = False  # label count divergence with the template key
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +175,32 @@ class ProvisionerActor:
         self._advertisement = Advertisement(templates, max_reservations, ttl)
         self._fresh_advertisement = True
         self.wake()
+        await self._count_divergence(ads)
         return len(templates)
+
+    async def _count_divergence(self, ads: Sequence[Template]) -> None:
+        """Compare the advertised counts with the stored instances, once per advertisement
+        (spec 3.7). A metric: a failed read is logged and never fails the advertisement."""
+        try:
+            stored = await self.store.instance_counts()
+        except Exception as error:
+            log.warning("provisioner.divergence_read_failed", extra={"error": repr(error)})
+            return
+        for found in divergences(ads, stored):
+            key = metrics.template_label(found.template_key)
+            metrics.count_divergence.labels(
+                found.state, found.direction, key if self.limits.divergence_by_template else ""
+            ).inc(found.delta)
+            log.debug(
+                "provisioner.count_divergence",
+                extra={
+                    "provisioner_id": str(self.provisioner.id),
+                    "template_key": found.template_key,
+                    "state": found.state,
+                    "direction": found.direction,
+                    "delta": found.delta,
+                },
+            )
 
     async def create_instances(
         self, provider_kind: str | None, entries: Sequence[tuple[str | None, UUID | None]]
@@ -197,11 +224,20 @@ class ProvisionerActor:
         if len(set(runner_instance_ids)) != len(runner_instance_ids):
             raise InvalidInput("runner_instance_ids must be unique")
         try:
-            return await self.store.assign(reservation_id, runner_instance_ids)
+            assigned = await self.store.assign(reservation_id, runner_instance_ids)
         except PROMOTION_FAILURES as error:
             reason = error.reason if isinstance(error, RunnerNotAssignable) else error.code
             metrics.assignments_rejected.labels(reason, "provisioner").inc()
             raise
+        for lag in assigned.lags:
+            metrics.observe_seconds(
+                metrics.control_session_to_assignment,
+                lag.seconds,
+                metrics.provider_label(lag.provider_kind),
+                lag.launch_kind,
+                "provisioner",
+            )
+        return assigned.runner_instance_ids
 
     async def report(self, events: Sequence[RunnerEvent]) -> ReportOutcome:
         received_at = self._clock()

@@ -36,6 +36,7 @@ from controlplane.domain.rounds import Grant, WorkspaceRound
 from controlplane.domain.runner_instances import ProvisionedRunner
 from controlplane.domain.terminate_intents import TerminateReason
 from controlplane.store.ephemeral import MintedToken
+from controlplane.store.lifecycle import Assigned
 from controlplane.store.provisioning import RoundTerms
 
 
@@ -75,7 +76,11 @@ class ProvisioningStore(Protocol):
 
     async def assign(
         self, reservation_id: UUID, runner_instance_ids: Sequence[UUID]
-    ) -> list[UUID]: ...
+    ) -> Assigned: ...
+
+    async def instance_counts(self) -> dict[tuple[str, str], int]:
+        """The provisioner's starting and running instances by (template key, state)."""
+        ...
 
     async def report(
         self,
