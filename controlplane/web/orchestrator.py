@@ -72,11 +72,13 @@ def _event_cursor(raw: str | None) -> tuple[int, int]:
 
 def _new_job(job: wire.EnqueueJob, limits: QueueSettings, index: int) -> NewJob:
     max_payload = limits.max_payload_bytes
+    priority = int(job.priority)
+    limit = None if job.concurrency_limit is None else int(job.concurrency_limit)
     check_ordering(
         index,
-        job.priority,
+        priority,
         job.concurrency_key,
-        job.concurrency_limit,
+        limit,
         priority_min=limits.priority_min,
         priority_max=limits.priority_max,
         max_limit=limits.max_concurrency_limit,
@@ -101,9 +103,9 @@ def _new_job(job: wire.EnqueueJob, limits: QueueSettings, index: int) -> NewJob:
         required_labels=canonicalise(job.required_labels),
         queued_at=job.queued_at,
         payload=payload,
-        priority=job.priority,
+        priority=priority,
         concurrency_key=job.concurrency_key,
-        concurrency_limit=job.concurrency_limit,
+        concurrency_limit=limit,
     )
 
 

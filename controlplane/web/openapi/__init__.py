@@ -45,7 +45,7 @@ from controlplane.web.operations import (
     operation,
 )
 from controlplane.wire.common import ErrorEnvelope
-from controlplane.wire.orchestrator import EnqueueRequest
+from controlplane.wire.orchestrator import EnqueueJob, EnqueueRequest
 
 _REF = "#/components/schemas/{name}"
 _RETRY = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
@@ -176,6 +176,9 @@ def _components(
     if EnqueueRequest in by_kind:
         enqueue = schemas[by_kind[EnqueueRequest]["$ref"].rsplit("/", 1)[1]]
         enqueue["properties"]["jobs"]["maxItems"] = settings.queue.max_batch_size
+        # The job Struct is nested, not a body of its own: its rules are added here.
+        if (job := schemas.get(EnqueueJob.__name__)) is not None:
+            job.update(EnqueueJob.json_schema_extra)
     return by_kind, dict(sorted(schemas.items()))
 
 
