@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import msgspec
 
 from controlplane.domain.labels import LabelSet, parse_reserved
+from controlplane.domain.ordering import MAX_CONCURRENCY_LIMIT, PRIORITY_BOUND
 from controlplane.errors import ConfigError, InvalidInput
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -60,10 +61,13 @@ class Server(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Queue(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_payload_bytes: Annotated[int, msgspec.Meta(ge=2, le=16 * 1024 * 1024)] = 64 * 1024
     max_batch_size: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 500
-    # A job's priority must lie in priority_min..priority_max (0 is the default and always in).
-    priority_min: Annotated[int, msgspec.Meta(ge=-1_000_000, le=0)] = -1000
-    priority_max: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1000
-    max_concurrency_limit: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
+    # A job's priority must lie in priority_min..priority_max (0 is the default and always in);
+    # the defaults are the widest the API's schema allows, a deployment may narrow them.
+    priority_min: Annotated[int, msgspec.Meta(ge=-PRIORITY_BOUND, le=0)] = -PRIORITY_BOUND
+    priority_max: Annotated[int, msgspec.Meta(ge=0, le=PRIORITY_BOUND)] = PRIORITY_BOUND
+    max_concurrency_limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONCURRENCY_LIMIT)] = (
+        MAX_CONCURRENCY_LIMIT
+    )
     # The life of an execution (docs/policies.md). A job's run timeout, when it sends none, is
     # GitHub's default (6 h); the largest it may ask is GitHub's self-hosted ceiling (5 days).
     default_timeout_seconds: Annotated[int, msgspec.Meta(ge=1, le=30 * 86_400)] = 6 * 3600

@@ -9,6 +9,12 @@ from controlplane.errors import (
     PriorityOutOfRange,
 )
 
+# The widest ranges: the wire schema's, and the ceilings of the settings that may narrow them
+# (queue.priority_min, queue.priority_max, queue.max_concurrency_limit).
+PRIORITY_BOUND = 1000
+MAX_CONCURRENCY_LIMIT = 10_000
+MAX_CONCURRENCY_KEY_LENGTH = 200
+
 
 def check_ordering(
     index: int,

@@ -74,11 +74,13 @@ def _event_cursor(raw: str | None) -> tuple[int, int]:
 
 def _new_job(job: wire.EnqueueJob, queue_knobs: QueueSettings, index: int) -> NewJob:
     max_payload = queue_knobs.max_payload_bytes
+    priority = int(job.priority)
+    limit = None if job.concurrency_limit is None else int(job.concurrency_limit)
     check_ordering(
         index,
-        job.priority,
+        priority,
         job.concurrency_key,
-        job.concurrency_limit,
+        limit,
         priority_min=queue_knobs.priority_min,
         priority_max=queue_knobs.priority_max,
         max_limit=queue_knobs.max_concurrency_limit,
@@ -103,9 +105,9 @@ def _new_job(job: wire.EnqueueJob, queue_knobs: QueueSettings, index: int) -> Ne
         required_labels=canonicalise(job.required_labels),
         queued_at=job.queued_at,
         payload=payload,
-        priority=job.priority,
+        priority=priority,
         concurrency_key=job.concurrency_key,
-        concurrency_limit=job.concurrency_limit,
+        concurrency_limit=limit,
         timeout_seconds=lifetimes.resolve(
             whole(job.timeout_seconds),
             lifetimes.Bounds(queue_knobs.default_timeout_seconds, queue_knobs.max_timeout_seconds),

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 from uuid import UUID
 
 import msgspec
 
+from controlplane.domain.ordering import (
+    MAX_CONCURRENCY_KEY_LENGTH,
+    MAX_CONCURRENCY_LIMIT,
+    PRIORITY_BOUND,
+)
 from controlplane.wire.admin import WorkspaceQueue
-from controlplane.wire.common import EffectiveCapabilities, Labels, Reason, Strict
+from controlplane.wire.common import EffectiveCapabilities, Labels, Reason, Strict, whole
 from controlplane.wire.jobs import WaitingOut
 
 AwareDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
@@ -17,9 +22,10 @@ ConcurrencyKey = Annotated[
     str,
     msgspec.Meta(
         min_length=1,
-        max_length=200,
+        max_length=MAX_CONCURRENCY_KEY_LENGTH,
         pattern=r"^[^\x00-\x1f\x7f]*$",
-        description="Jobs of one workspace with the same key share its concurrency_limit.",
+        description="Jobs of one workspace with the same key share its concurrency_limit. "
+        "Given with concurrency_limit, or neither.",
     ),
 ]
 
@@ -41,23 +47,29 @@ class EnqueueJob(Strict):
             description="A JSON object of at most queue.max_payload_bytes bytes.",
         ),
     ] = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
+    # Whole numbers: floats that are a multiple of 1, so that 5.0 is accepted like 5, as JSON
+    # Schema's `integer` says (wire/common.py `whole`).
     priority: Annotated[
-        int,
+        float,
         msgspec.Meta(
-            ge=-1_000_000,
-            le=1_000_000,
-            description="Higher first; within queue.priority_min..queue.priority_max.",
+            ge=-PRIORITY_BOUND,
+            le=PRIORITY_BOUND,
+            multiple_of=1,
+            description="Higher first; within queue.priority_min..queue.priority_max "
+            "(the schema's range by default).",
         ),
     ] = 0
     concurrency_key: ConcurrencyKey | None = None
     concurrency_limit: (
         Annotated[
-            int,
+            float,
             msgspec.Meta(
                 ge=1,
-                le=1_000_000,
+                le=MAX_CONCURRENCY_LIMIT,
+                multiple_of=1,
                 description="At most this many executions of the key run at once in the "
-                "workspace; at most queue.max_concurrency_limit. Required with a key.",
+                "workspace; at most queue.max_concurrency_limit (the schema's maximum by "
+                "default). Given with concurrency_key, or neither.",
             ),
         ]
         | None
@@ -100,6 +112,29 @@ class EnqueueJob(Strict):
             description="Retries of a lease lost with its runner: 0..queue.max_retries_on_lost.",
         ),
     ] = 0
+
+    # A key and its limit go together (the route answers 400 concurrency-key-incomplete).
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "anyOf": [
+            {
+                "properties": {
+                    "concurrency_key": {"type": "null"},
+                    "concurrency_limit": {"type": "null"},
+                }
+            },
+            {
+                "required": ["concurrency_key", "concurrency_limit"],
+                "properties": {
+                    "concurrency_key": {"type": "string"},
+                    "concurrency_limit": {"type": "number"},
+                },
+            },
+        ]
+    }
+
+    def __post_init__(self) -> None:
+        self.priority = int(self.priority)
+        self.concurrency_limit = whole(self.concurrency_limit)
 
 
 class EnqueueRequest(Strict):

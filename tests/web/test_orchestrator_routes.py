@@ -159,7 +159,7 @@ def _bad_jobs(api: Api) -> dict[str, dict[str, Any]]:
         "slash-label": api.job(["linux/amd64"]),
         "no-labels": {**api.job(), "required_labels": []},
         "21-labels": api.job([f"l{i}" for i in range(21)]),
-        "unknown-job-field": api.job(priority=5),
+        "unknown-job-field": api.job(urgency=5),
         "payload-not-an-object": api.job(payload=[1, 2]),
         "missing-project": {k: v for k, v in api.job().items() if k != "project_id"},
     }

@@ -46,7 +46,7 @@ from controlplane.web.operations import (
     operation,
 )
 from controlplane.wire.common import ErrorEnvelope
-from controlplane.wire.orchestrator import EnqueueRequest
+from controlplane.wire.orchestrator import EnqueueJob, EnqueueRequest
 from controlplane.wire.provisioners import SetEligibility
 
 _REF = "#/components/schemas/{name}"
@@ -180,6 +180,9 @@ def _components(
     if EnqueueRequest in by_kind:
         enqueue = schemas[by_kind[EnqueueRequest]["$ref"].rsplit("/", 1)[1]]
         enqueue["properties"]["jobs"]["maxItems"] = settings.queue.max_batch_size
+        # The job Struct is nested, not a body of its own: its rules are added here.
+        if (job := schemas.get(EnqueueJob.__name__)) is not None:
+            job.update(EnqueueJob.json_schema_extra)
     if SetEligibility in by_kind:
         eligibility = schemas[by_kind[SetEligibility]["$ref"].rsplit("/", 1)[1]]
         listed = eligibility["properties"]["workspace_ids"]
