@@ -11,12 +11,15 @@ itself once the database answers again.
 
 How the command deadline is kept differs by connection. A dedicated connection (`connect`) has
 asyncpg's `command_timeout`, a timer armed and cancelled around every statement. A pooled one has
-no per-statement timer (8 to 13 us of CPU per statement, measured, about a dozen statements per
-job): the pool's watchdog (`DeadlinePool`) looks at every lent connection a few times a second
-and terminates one that has sent no new statement for `command_timeout_seconds`. So a statement
-(or a borrow that waits on something else with its connection held) is cut after the deadline
-and at most two sweeps later: `min(0.25 s, 5 %)` each, so within 10 % or 0.5 s of it. The
-statement waiting on the terminated connection fails with a lost connection: DatabaseUnavailable.
+no per-statement timer (2 to 13 us of CPU per statement in two micro-benchmarks, about a dozen
+statements per job): the pool's watchdog (`DeadlinePool`) looks at every lent connection a few
+times a second and terminates one that has sent no new statement for `command_timeout_seconds`.
+So a statement (or a borrow that waits on something else with its connection held) is cut after
+the deadline and at most two sweeps later: `min(0.25 s, 5 %)` each, so within 10 % or 0.5 s of
+it. The statement waiting on the terminated connection fails with a lost connection:
+DatabaseUnavailable. A release waiting on a cancel request is watched the same way (terminating
+the connection also ends the cancel request's task, which asyncpg would bound by
+`command_timeout`, None on these connections).
 
 asyncpg's faults stop here. Whatever asks the pool for a connection (`async with
 pool.acquire()`, `borrow`, or the pool's own `fetch`/`execute`) gets `DatabaseUnavailable` for
