@@ -9,6 +9,18 @@ connection that missed a deadline or failed under us is in an unknown state: it 
 not returned to the pool, and the pool opens a fresh one on demand, so the daemon recovers by
 itself once the database answers again.
 
+How the command deadline is kept differs by connection. A dedicated connection (`connect`) has
+asyncpg's `command_timeout`, a timer armed and cancelled around every statement. A pooled one has
+no per-statement timer (2 to 13 us of CPU per statement in two micro-benchmarks, about a dozen
+statements per job): the pool's watchdog (`DeadlinePool`) looks at every lent connection a few
+times a second and terminates one that has sent no new statement for `command_timeout_seconds`.
+So a statement (or a borrow that waits on something else with its connection held) is cut after
+the deadline and at most two sweeps later: `min(0.25 s, 5 %)` each, so within 10 % or 0.5 s of
+it. The statement waiting on the terminated connection fails with a lost connection:
+DatabaseUnavailable. A release waiting on a cancel request is watched the same way (terminating
+the connection also ends the cancel request's task, which asyncpg would bound by
+`command_timeout`, None on these connections).
+
 asyncpg's faults stop here. Whatever asks the pool for a connection (`async with
 pool.acquire()`, `borrow`, or the pool's own `fetch`/`execute`) gets `DatabaseUnavailable` for
 every fault of `UNAVAILABLE`: failing to connect or to get a connection in time, a connection
@@ -23,6 +35,7 @@ one fails with `DatabaseUnavailable`; their users retry on any fault after that.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -128,19 +141,35 @@ class _Borrowed(PoolAcquireContext):
 
 
 class DeadlinePool(asyncpg.Pool):
-    """asyncpg's pool whose every acquire, wherever it is written, has a deadline.
+    """asyncpg's pool whose every acquire, wherever it is written, has a deadline, and whose
+    lent connections have the command deadline (the module's docstring says how).
 
-    The deadline is armed only when the acquire may wait: with an idle connection in the pool,
-    asyncpg hands one over without waiting (nothing can hang there; a connection it has to open
-    has `connect`'s own timeout, the same number), so the timer would be pure cost, paid twice
-    per request (asyncpg also bounds the release by the acquire's timeout; the release's only
-    round trip, a ROLLBACK after a failed transaction, has the command deadline). Measured on
-    the throughput benchmark's profile: about 3% of a replica's CPU per job.
+    The acquire deadline is armed only when the acquire may wait: with an idle connection in
+    the pool, asyncpg hands one over without waiting (nothing can hang there; a connection it
+    has to open has `connect`'s own timeout, the same number), so the timer would be pure cost,
+    paid twice per request (asyncpg also bounds the release by the acquire's timeout; the
+    release's only round trip, a ROLLBACK after a failed transaction, is watched like any
+    statement). Measured on the throughput benchmark's profile: about 3% of a replica's CPU per
+    job.
+
+    The watchdog costs nothing per statement or per borrow: it reads what asyncpg keeps anyway,
+    each holder's "in use" future (one per borrow) and its connection's count of statements
+    sent. A lent connection whose borrow and count are both unchanged since a sweep at least
+    `command_deadline` ago is terminated.
     """
 
-    def __init__(self, *args: Any, acquire_timeout: float, **kwargs: Any) -> None:
+    _holders: list[Any]  # asyncpg's PoolConnectionHolder objects (asyncpg.pool has no stubs)
+
+    def __init__(
+        self, *args: Any, acquire_timeout: float, command_deadline: float, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.acquire_timeout = acquire_timeout
+        self.command_deadline = command_deadline
+        self.sweep_seconds = min(0.25, command_deadline / 20)
+        # holder -> (its borrow's future, statements sent, when this pair was first seen)
+        self._seen: dict[object, tuple[object, int, float]] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
 
     def acquire(self, *, timeout: float | None = None) -> _Borrowed:
         if timeout is None and not self._free_holders():
@@ -155,12 +184,55 @@ class DeadlinePool(asyncpg.Pool):
         queue = getattr(self, "_queue", None)
         return queue.qsize() if queue is not None else self.get_idle_size()
 
+    def start_watchdog(self) -> None:
+        """Sweep the lent connections every `sweep_seconds` until the pool closes."""
+        if self._sweeper is None:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(self.sweep_seconds, self._sweep, loop)
 
-def _connect_options(settings: PoolSettings) -> dict[str, Any]:
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._sweeper = loop.call_later(self.sweep_seconds, self._sweep, loop)
+        now = loop.time()
+        seen: dict[object, tuple[object, int, float]] = {}
+        for holder in self._holders:
+            borrow, conn = holder._in_use, holder._con
+            if borrow is None or conn is None or conn.is_closed():
+                continue
+            sent = conn._protocol.queries_count
+            before = self._seen.get(holder)
+            if before is None or before[0] is not borrow or before[1] != sent:
+                seen[holder] = (borrow, sent, now)
+            elif now - before[2] >= self.command_deadline:
+                log.warning(
+                    "pool.command_deadline",
+                    extra={"pid": conn.get_server_pid(), "seconds": self.command_deadline},
+                )
+                conn.terminate()  # the statement waiting on it fails: connection lost
+            else:
+                seen[holder] = before
+        self._seen = seen
+
+    def _stop_watchdog(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    async def close(self) -> None:
+        self._stop_watchdog()
+        await super().close()
+
+    def terminate(self) -> None:
+        self._stop_watchdog()
+        super().terminate()
+
+
+def _connect_options(settings: PoolSettings, *, command_timeout: bool) -> dict[str, Any]:
+    """Options of every connection; asyncpg's per-statement `command_timeout` on dedicated ones
+    only (pooled ones have the pool's watchdog)."""
     return {
         "server_settings": server_settings(settings),
         "timeout": settings.acquire_timeout_seconds,
-        "command_timeout": settings.command_timeout_seconds,
+        "command_timeout": settings.command_timeout_seconds if command_timeout else None,
     }
 
 
@@ -168,6 +240,7 @@ async def create_pool(settings: PoolSettings) -> Pool:
     pool = DeadlinePool(
         settings.url,
         acquire_timeout=settings.acquire_timeout_seconds,
+        command_deadline=settings.command_timeout_seconds,
         min_size=settings.min_size,
         max_size=settings.max_size,
         max_queries=50_000,
@@ -176,12 +249,13 @@ async def create_pool(settings: PoolSettings) -> Pool:
         connection_class=asyncpg.Connection,
         record_class=asyncpg.Record,
         reset=_no_session_state,
-        **_connect_options(settings),
+        **_connect_options(settings, command_timeout=False),
     )
     try:
         await pool
     except (OSError, asyncpg.PostgresConnectionError) as error:  # TimeoutError is an OSError
         raise DatabaseUnavailable(f"cannot connect to the database: {error!r}") from error
+    pool.start_watchdog()
     return pool
 
 
@@ -217,6 +291,8 @@ async def connect(settings: PoolSettings) -> asyncpg.Connection:
     deadlines: opening it within `acquire_timeout_seconds`, each statement within
     `command_timeout_seconds`."""
     try:
-        return await asyncpg.connect(settings.url, **_connect_options(settings))
+        return await asyncpg.connect(
+            settings.url, **_connect_options(settings, command_timeout=True)
+        )
     except (OSError, asyncpg.PostgresConnectionError) as error:
         raise DatabaseUnavailable(f"cannot connect to the database: {error!r}") from error

@@ -8,7 +8,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 from uuid import UUID
 
 import anyio
@@ -18,6 +19,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from controlplane.actors.provisioning import DemandBoard, DemandPush, Limits, ProvisionerActor
 from controlplane.domain.assignment import Batch, CreatedInstance
+from controlplane.domain.binding import Scope
 from controlplane.domain.demand import (
     Allocation,
     DemandStat,
@@ -445,3 +447,38 @@ async def test_refused_requests_reach_no_store() -> None:
 
 async def _never(_push: DemandPush) -> None:
     raise AssertionError("no round ran")
+
+
+def test_the_board_wakes_the_workspaces_actors_and_every_installation_actor_only() -> None:
+    """The board keeps workspace actors by workspace: a wake reaches them and the installation
+    actors, never another workspace's, and a removed actor is not woken."""
+    first, second = uuid.uuid4(), uuid.uuid4()
+    woken: list[str] = []
+
+    class Probe:
+        def __init__(self, name: str, workspace_id: uuid.UUID | None) -> None:
+            self.name = name
+            self.scope = Scope.WORKSPACE if workspace_id else Scope.INSTALLATION
+            self.provisioner = SimpleNamespace(workspace_id=workspace_id)
+
+        def wake(self) -> None:
+            woken.append(self.name)
+
+    board = DemandBoard()
+    probes = [Probe("a", first), Probe("b", first), Probe("c", second), Probe("i", None)]
+    for probe in probes:
+        board.add(cast(ProvisionerActor, probe))
+    board.wake_workspace(first)
+    assert sorted(woken) == ["a", "b", "i"]
+    woken.clear()
+    board.wake_workspace(uuid.uuid4())
+    assert woken == ["i"]
+    woken.clear()
+    board.remove(cast(ProvisionerActor, probes[0]))
+    board.remove(cast(ProvisionerActor, probes[3]))
+    board.wake_workspace(first)
+    assert woken == ["b"]
+    woken.clear()
+    board.wake_all()
+    assert sorted(woken) == ["b", "c"]
+    assert len(board) == 2

@@ -11,7 +11,14 @@ import asyncpg
 import pytest
 
 from controlplane.errors import DatabaseUnavailable
-from controlplane.store.pool import Pool, PoolSettings, borrow, create_pool, unavailable
+from controlplane.store.pool import (
+    Pool,
+    PoolSettings,
+    borrow,
+    connect,
+    create_pool,
+    unavailable,
+)
 
 # Server-side timeouts short enough that the statements below end by them, not by finishing.
 _QUICK = "SELECT set_config('statement_timeout', '50ms', true)"
@@ -127,3 +134,71 @@ def test_the_translation_keeps_the_cause_and_says_retry() -> None:
     assert isinstance(error, DatabaseUnavailable)
     assert error.message == "database unavailable; retry"
     assert error.details == {}
+
+
+@pytest.fixture
+async def watched_pool(database_url: str) -> AsyncIterator[Pool]:
+    """A pool whose command deadline (0.5 s) is shorter than the statement timeouts below, so
+    the client-side deadline, not the server, ends a statement that runs too long."""
+    created = await create_pool(
+        PoolSettings(url=database_url, min_size=1, max_size=2, command_timeout_seconds=0.5)
+    )
+    try:
+        yield created
+    finally:
+        await created.close()
+
+
+# The server would end this statement after 5 s (so the backend does not outlive the test).
+_HUNG = "SELECT set_config('statement_timeout', '5s', true)"
+
+
+async def test_a_statement_past_the_command_deadline_is_cut_and_its_connection_dropped(
+    watched_pool: Pool,
+) -> None:
+    pids: set[int] = set()
+    for how in ("acquire", "borrow", "pool"):
+        with anyio.fail_after(4), pytest.raises(DatabaseUnavailable) as raised:  # noqa: PT012
+            if how == "pool":
+                await watched_pool.fetchval("SELECT pg_sleep(30)")
+            else:
+                borrowed = watched_pool.acquire() if how == "acquire" else borrow(watched_pool)
+                async with borrowed as conn, conn.transaction():
+                    pids.add(conn.get_server_pid())
+                    await conn.execute(_HUNG)
+                    await conn.fetchval(_FOREVER)
+        # Cut by the client (the watchdog terminated the connection; a transaction's exit then
+        # finds it closed), not cancelled by the server.
+        lost = asyncpg.ConnectionDoesNotExistError | asyncpg.InterfaceError
+        assert isinstance(raised.value.__cause__, lost), (
+            how,
+            repr(raised.value.__cause__),
+        )
+    # The pool serves again, from a fresh connection.
+    with anyio.fail_after(10):
+        async with watched_pool.acquire() as conn:
+            assert await conn.fetchval("SELECT 1") == 1
+            assert conn.get_server_pid() not in pids
+
+
+async def test_a_borrow_that_keeps_sending_statements_outlives_the_command_deadline(
+    watched_pool: Pool,
+) -> None:
+    """The deadline is per statement: six statements of 0.2 s each (1.2 s in all) in one
+    borrow with a 0.5 s deadline all answer."""
+    with anyio.fail_after(20):
+        async with watched_pool.acquire() as conn, conn.transaction():
+            for _ in range(6):
+                await conn.execute("SELECT pg_sleep(0.2)")
+            assert await conn.fetchval("SELECT 1") == 1
+
+
+async def test_dedicated_connections_keep_the_per_statement_timer(database_url: str) -> None:
+    conn = await connect(PoolSettings(url=database_url, command_timeout_seconds=0.5))
+    try:
+        with anyio.fail_after(4), pytest.raises(TimeoutError):  # noqa: PT012
+            async with conn.transaction():
+                await conn.execute(_HUNG)
+                await conn.fetchval(_FOREVER)
+    finally:
+        conn.terminate()

@@ -128,6 +128,7 @@ class ProvisionerActor:
     ) -> None:
         self.store = store
         self.provisioner = provisioner
+        self._scope = Scope(provisioner.scope)
         self.limits = limits
         self._send = send
         self._clock = clock
@@ -143,7 +144,7 @@ class ProvisionerActor:
 
     @property
     def scope(self) -> Scope:
-        return Scope(self.provisioner.scope)
+        return self._scope
 
     def serves(self, workspace_id: UUID) -> bool:
         return self.scope is Scope.INSTALLATION or self.provisioner.workspace_id == workspace_id
