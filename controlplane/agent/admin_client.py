@@ -136,6 +136,11 @@ def job_lines(detail: JobDetail, now: datetime) -> list[str]:
     if detail.waiting is not None:
         waiting = detail.waiting
         lines.append(f"waiting:     {'STUCK: ' if waiting.stuck else ''}{waiting.reason}")
+        if waiting.position is not None:
+            lines.append(
+                f"position:    {waiting.position} (1: a runner with its labels takes it next)"
+            )
+        lines += [f"held back:   {reason.code}: {reason.message}" for reason in waiting.reasons]
     if detail.output_tail:
         lines += ["output (tail):", detail.output_tail.rstrip("\n")]
     return lines

@@ -1,5 +1,6 @@
 """Read models of job executions for operators: a list across the three tables, one execution in
-full, and who could take each pending label set (domain/waiting.py reads the last).
+full, who could take each pending label set, and where a pending execution stands in its queue
+(domain/waiting.py reads the last two).
 
 Reads only; no locks beyond what a snapshot takes. An ended execution keeps only its tombstone
 (outcome, who ended it, when, exit code and output tail): no labels, so the labels filter applies
@@ -15,7 +16,7 @@ from uuid import UUID
 
 import asyncpg
 
-from controlplane.domain.waiting import Takers
+from controlplane.domain.waiting import PLACE_CAP, QueuePlace, Takers
 from controlplane.store.pool import Conn
 
 STATUSES = ("pending", "running", "ended")
@@ -138,7 +139,9 @@ class PendingGroup:
 _TAKERS = """
     WITH live_runners AS (
         SELECT s.id, s.labels,
-               EXISTS (SELECT 1 FROM running_jobs r WHERE r.runner_session_id = s.id) AS busy
+               EXISTS (SELECT 1 FROM running_jobs r WHERE r.runner_session_id = s.id) AS busy,
+               EXISTS (SELECT 1 FROM paused_runners pr WHERE pr.runner_session_id = s.id)
+                   AS paused
         FROM runner_sessions s
         WHERE s.workspace_id = $1 AND s.revoked_at IS NULL
           AND s.updated_at > now() - $3::interval
@@ -155,6 +158,9 @@ _TAKERS = """
     SELECT
         (SELECT count(*) FROM live_runners WHERE labels @> $2) AS live,
         (SELECT count(*) FROM live_runners WHERE labels @> $2 AND busy) AS busy,
+        (SELECT count(*) FROM live_runners WHERE labels @> $2 AND paused) AS paused,
+        (SELECT count(*) FROM live_runners WHERE labels @> $2 AND paused AND NOT busy)
+            AS paused_idle,
         (SELECT count(*) FROM live_templates WHERE labels @> $2) AS templates,
         ARRAY(SELECT DISTINCT unnest(labels) FROM live_runners
               UNION SELECT DISTINCT unnest(labels) FROM live_templates) AS offered
@@ -168,7 +174,69 @@ async def takers(
     left, and templates of provisioners whose session was seen within it."""
     row = await conn.fetchrow(_TAKERS, workspace_id, list(labels), window)
     assert row is not None
-    return Takers(row["live"], row["busy"], row["templates"], frozenset(row["offered"]))
+    return Takers(
+        row["live"],
+        row["busy"],
+        row["templates"],
+        frozenset(row["offered"]),
+        paused_runners=row["paused"],
+        paused_idle=row["paused_idle"],
+    )
+
+
+# Where a pending execution ($1) stands (domain/waiting.py QueuePlace). The jobs ahead of it are
+# those a runner with exactly its labels could claim before it: same workspace, labels within
+# its labels, claimable now (key below its limit, queue deadline not passed; as store/ordering.py
+# CLAIMABLE), earlier in the plain order (priority, then age). Each count stops at $2 rows.
+_PLACE = """
+    WITH me AS (
+        SELECT id, workspace_id, required_labels, priority, created_at, concurrency_key,
+               concurrency_limit, expires_at
+        FROM pending_jobs WHERE job_execution_id = $1
+    ), ahead AS (
+        SELECT p.priority FROM pending_jobs p, me
+        WHERE p.workspace_id = me.workspace_id AND p.required_labels <@ me.required_labels
+          AND p.id <> me.id
+          AND (p.priority > me.priority
+               OR (p.priority = me.priority AND (p.created_at, p.id) < (me.created_at, me.id)))
+          AND (p.expires_at IS NULL OR p.expires_at > now())
+          AND (p.concurrency_key IS NULL
+               OR EXISTS (SELECT 1 FROM concurrency_keys k
+                          WHERE k.workspace_id = p.workspace_id
+                            AND k.concurrency_key = p.concurrency_key
+                            AND k.running < p.concurrency_limit))
+        ORDER BY p.priority DESC, p.created_at, p.id
+        LIMIT $2
+    )
+    SELECT me.priority, me.concurrency_key, me.concurrency_limit,
+           coalesce(me.expires_at <= now(), false) AS expired,
+           (SELECT count(*) FROM ahead) AS ahead,
+           (SELECT count(*) FROM ahead WHERE ahead.priority > me.priority) AS higher,
+           coalesce((SELECT running FROM concurrency_keys k
+                     WHERE k.workspace_id = me.workspace_id
+                       AND k.concurrency_key = me.concurrency_key), 0) AS key_running,
+           EXISTS (SELECT 1 FROM paused_workspaces w WHERE w.workspace_id = me.workspace_id)
+               AS workspace_paused
+    FROM me
+"""
+
+
+async def queue_place(conn: Conn, job_execution_id: UUID) -> QueuePlace | None:
+    """Where the pending execution stands in its workspace's queue; None when it is not pending.
+    One statement, reads only."""
+    row = await conn.fetchrow(_PLACE, job_execution_id, PLACE_CAP)
+    if row is None:
+        return None
+    return QueuePlace(
+        ahead=row["ahead"],
+        ahead_higher_priority=row["higher"],
+        priority=row["priority"],
+        concurrency_key=row["concurrency_key"],
+        concurrency_limit=row["concurrency_limit"],
+        key_running=row["key_running"],
+        workspace_paused=row["workspace_paused"],
+        expired=row["expired"],
+    )
 
 
 async def pending_groups(conn: Conn, window: timedelta, limit: int = 1000) -> list[PendingGroup]:

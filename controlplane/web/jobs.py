@@ -3,8 +3,10 @@ and the pending label sets with who could take them (`controlplane jobs`, `statu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from uuid import UUID
 
 import asyncpg
 from starlette.requests import Request
@@ -14,10 +16,11 @@ from starlette.routing import BaseRoute, Route
 from controlplane.actors.feed import FeedWatch
 from controlplane.domain.jobs import Outcome
 from controlplane.domain.labels import label_error
-from controlplane.domain.waiting import Takers, Waiting, why_waiting
+from controlplane.domain.waiting import QueuePlace, Takers, Waiting, waiting_reasons, why_waiting
 from controlplane.errors import InvalidInput, NotFound
 from controlplane.settings import Settings
 from controlplane.store import job_views, leases
+from controlplane.store.pool import Conn
 from controlplane.web import auth
 from controlplane.web.edge import json_response, path_uuid, query_only
 from controlplane.web.endpoints import bound
@@ -59,7 +62,9 @@ def _job(view: job_views.JobView) -> wire.JobOut:
     )
 
 
-def waiting_out(waiting: Waiting, takers: Takers) -> wire.WaitingOut:
+def waiting_out(
+    waiting: Waiting, takers: Takers, place: QueuePlace | None = None
+) -> wire.WaitingOut:
     return wire.WaitingOut(
         stuck=waiting.stuck,
         missing_labels=list(waiting.missing_labels),
@@ -67,7 +72,25 @@ def waiting_out(waiting: Waiting, takers: Takers) -> wire.WaitingOut:
         live_runners=takers.live_runners,
         busy_runners=takers.busy_runners,
         templates=takers.templates,
+        paused_runners=takers.paused_runners,
+        position=None if place is None else place.position,
+        reasons=[
+            wire.WaitingReasonOut(code=reason.code, message=reason.message)  # type: ignore[arg-type]
+            for reason in waiting_reasons(waiting, takers, place)
+        ],
     )
+
+
+async def why_pending(
+    conn: Conn, workspace_id: UUID, labels: Sequence[str], job_execution_id: UUID
+) -> wire.WaitingOut | None:
+    """Why a pending execution waits: who could take it, where it stands, and every reason
+    holding it back (domain/waiting.py); None when it is no longer pending. Two reads."""
+    place = await job_views.queue_place(conn, job_execution_id)
+    if place is None:
+        return None
+    takers = await job_views.takers(conn, workspace_id, labels, TAKER_WINDOW)
+    return waiting_out(why_waiting(labels, takers), takers, place)
 
 
 def _labels(raw: str | None) -> list[str] | None:
@@ -131,10 +154,9 @@ async def show_job(svc: Deps, request: Request) -> Response:
         if view.status == "pending":
             assert view.workspace_id is not None
             assert view.required_labels is not None
-            takers = await job_views.takers(
-                conn, view.workspace_id, view.required_labels, TAKER_WINDOW
+            waiting = await why_pending(
+                conn, view.workspace_id, view.required_labels, view.job_execution_id
             )
-            waiting = waiting_out(why_waiting(view.required_labels, takers), takers)
     return json_response(
         wire.JobDetail(job=_job(view), output_tail=view.output_tail, waiting=waiting)
     )

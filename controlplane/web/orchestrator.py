@@ -20,11 +20,10 @@ from controlplane.domain.credentials import Credential
 from controlplane.domain.jobs import JobIdentity, NewJob, Outcome
 from controlplane.domain.labels import canonicalise
 from controlplane.domain.ordering import check_ordering
-from controlplane.domain.waiting import why_waiting
 from controlplane.errors import InvalidInput, NotFound, PayloadTooLarge
 from controlplane.settings import Queue as QueueSettings
 from controlplane.settings import Settings
-from controlplane.store import events, executions, job_views, leases, queue
+from controlplane.store import events, executions, leases, queue
 from controlplane.web import auth, jobs
 from controlplane.web.edge import (
     json_response,
@@ -234,10 +233,9 @@ async def execution_state(svc: Deps, request: Request) -> Response:
     waiting = None
     if found.state == "pending" and found.workspace_id is not None:
         async with svc.pool.acquire() as conn:
-            takers = await job_views.takers(
-                conn, found.workspace_id, found.required_labels, jobs.TAKER_WINDOW
+            waiting = await jobs.why_pending(
+                conn, found.workspace_id, found.required_labels, execution
             )
-        waiting = jobs.waiting_out(why_waiting(found.required_labels, takers), takers)
     return json_response(
         wire.ExecutionState(
             job_execution_id=found.job_execution_id,

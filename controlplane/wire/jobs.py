@@ -7,6 +7,8 @@ from datetime import datetime
 from typing import Literal
 from uuid import UUID
 
+import msgspec
+
 from controlplane.wire.common import Strict
 
 Status = Literal["pending", "running", "ended"]
@@ -33,6 +35,19 @@ class JobList(Strict):
     next_cursor: str | None
 
 
+class WaitingReasonOut(Strict):
+    code: Literal[
+        "queue-expired",
+        "workspace-paused",
+        "no-taker",
+        "runners-paused",
+        "concurrency-key-full",
+        "behind-higher-priority",
+        "runners-busy",
+    ]
+    message: str
+
+
 class WaitingOut(Strict):
     stuck: bool  # nothing can take it until a runner or provisioner with its labels appears
     missing_labels: list[str]
@@ -40,6 +55,11 @@ class WaitingOut(Strict):
     live_runners: int
     busy_runners: int
     templates: int
+    paused_runners: int = 0  # of the live ones, those an operator paused
+    # One job only (not a label set): 1 when a runner with its labels would take it next; the
+    # jobs ahead are counted up to 10,000 (a position of 10,001 means "that many or more").
+    position: int | None = None
+    reasons: list[WaitingReasonOut] = msgspec.field(default_factory=list)
 
 
 class JobDetail(Strict):

@@ -96,6 +96,11 @@ async def test_a_pending_job_says_why_it_waits(api: Api) -> None:
         "live_runners": 0,
         "busy_runners": 0,
         "templates": 0,
+        "paused_runners": 0,
+        "position": 1,
+        "reasons": [
+            {"code": "no-taker", "message": "no live runner or connected provisioner offers gpu"}
+        ],
     }
     groups = (await _get(api, "/v1/admin/queue/pending")).json()["items"]
     assert [(g["labels"], g["pending"], g["waiting"]["stuck"]) for g in groups] == [
