@@ -14,10 +14,9 @@ from datetime import timedelta
 import anyio
 import asyncpg
 import httpx
-import pytest
 
+from controlplane.domain.credentials import Role
 from controlplane.store import credentials, ui_sessions
-from controlplane.web.ui import roles
 from tests.web.conftest import Api
 
 _HIDDEN = re.compile(r'name="(pair|csrf)" value="([^"]+)"')
@@ -224,16 +223,16 @@ async def test_the_live_stream_says_change_when_a_job_is_enqueued(api: Api) -> N
                     assert line in ("", ": keepalive"), line
 
 
-async def test_an_operator_who_may_not_act_sees_no_buttons_and_gets_403(
-    api: Api, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every permission decision goes through roles.may_act: refused there, no page offers an
-    action and a form posted by hand is 403 (what an `observer` admin key will get)."""
-    monkeypatch.setattr(roles, "may_act", lambda _who: False)
+async def test_an_observer_sees_no_buttons_and_gets_403(api: Api, db: asyncpg.Connection) -> None:
+    """An `observer` admin key signs in and reads every page, but no page offers an action and a
+    form posted by hand is 403 (roles.may_act is every permission decision of the pages)."""
+    _, observer = await credentials.create_api_key(
+        db, kind="admin", name="watcher", role=Role.OBSERVER
+    )
     job = api.job()
     await api.enqueue(job)
     async with browser(api) as client:
-        await sign_in(client, api.admin_key)
+        await sign_in(client, observer)
         page = await client.get(f"/ui/jobs/{job['job_execution_id']}")
         assert "Cancel this job" not in page.text and "read only" in page.text
         credentials_page = await client.get("/ui/credentials")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from uuid import UUID
 
-from controlplane.domain.credentials import Credential
+from controlplane.domain.credentials import Credential, Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +18,8 @@ class Principal:
 
 
 def may_act(principal: Principal) -> bool:
-    """Whether the operator may change anything (cancel, create, revoke, sign others out). Every
-    admin key may today; an admin key's role (`owner` or `observer`, issue 15) is read here, and
-    only here, when the keys carry one."""
-    return principal.key.kind == "admin"
+    """Whether the operator may change anything (cancel, create, revoke, sign others out): an
+    installation admin key of role `owner`. An `observer` key reads every page and acts on none,
+    as on the admin API (403 `admin-key-read-only` there, 403 here). The key is re-read on every
+    request, so a changed or revoked key holds from the next page."""
+    return principal.key.kind == "admin" and principal.key.role is Role.OWNER
