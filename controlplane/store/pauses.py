@@ -198,3 +198,22 @@ async def _announce(
         PAUSED_CHANNEL,
         change_payload(state),
     )
+
+
+async def paused_among(
+    conn: Conn, workspace_ids: list[UUID], runner_session_ids: list[UUID]
+) -> tuple[set[UUID], set[UUID]]:
+    """Which of these workspaces and runner sessions are paused now (the operator pages' view).
+    One read, no lock."""
+    row = await conn.fetchrow(
+        """
+        SELECT ARRAY(SELECT workspace_id FROM paused_workspaces
+                     WHERE workspace_id = ANY($1::uuid[])) AS workspaces,
+               ARRAY(SELECT runner_session_id FROM paused_runners
+                     WHERE runner_session_id = ANY($2::uuid[])) AS runners
+        """,
+        workspace_ids,
+        runner_session_ids,
+    )
+    assert row is not None
+    return set(row["workspaces"]), set(row["runners"])

@@ -385,6 +385,14 @@ async def test_execution_state_follows_the_execution_from_pending_to_ended(api: 
             "live_runners": 0,
             "busy_runners": 0,
             "templates": 0,
+            "paused_runners": 0,
+            "position": 1,
+            "reasons": [
+                {
+                    "code": "no-taker",
+                    "message": "no live runner or connected provisioner offers linux",
+                }
+            ],
         },
         "attempt": 1,
         "lost_attempts": [],

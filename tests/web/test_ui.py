@@ -144,6 +144,52 @@ async def test_cancel_needs_the_sessions_csrf_token_and_is_audited(
     assert str(entry["job_execution_id"]) == execution
 
 
+async def test_an_owner_pauses_and_resumes_a_workspace_and_a_runner_from_the_pages(
+    api: Api, db: asyncpg.Connection
+) -> None:
+    job = api.job()
+    await api.enqueue(job)
+    session = await api.register(["linux"])
+    session_id = await db.fetchval("SELECT id FROM runner_sessions")
+    async with browser(api) as client:
+        await sign_in(client, api.admin_key)
+        overview = await client.get("/ui/")
+        csrf = _hidden(overview.text, "csrf")
+        pause = f"/ui/workspaces/{api.workspace}/pause"
+        assert f'action="{pause}"' in overview.text
+        assert (await client.post(pause, data={"nothing": ""})).status_code == 403
+        assert (await client.post(pause, data={"csrf": csrf})).status_code == 303
+        overview = await client.get("/ui/")
+        assert "paused: nothing is handed out" in overview.text
+        assert f'action="/ui/workspaces/{api.workspace}/resume"' in overview.text
+        # The queue itself is paused: the runner's claim finds nothing.
+        assert (await api.request_job(session)).status_code == 204
+        runners = await client.get("/ui/runners")
+        pause_runner = f"/ui/runners/{session_id}/pause"
+        assert f'action="{pause_runner}"' in runners.text
+        done = await client.post(pause_runner, data={"csrf": csrf, "reason": "new disk"})
+        assert done.status_code == 303
+        assert "idle, paused" in (await client.get("/ui/runners")).text
+        resume = f"/ui/workspaces/{api.workspace}/resume"
+        assert (await client.post(resume, data={"csrf": csrf})).status_code == 303
+        assert (
+            await client.post(f"/ui/runners/{session_id}/resume", data={"csrf": csrf})
+        ).status_code == 303
+    claimed = await api.request_job(session)
+    assert claimed.json()["job_execution_id"] == job["job_execution_id"]
+    changes = await db.fetch(
+        "SELECT event_type, payload->>'by' AS by, payload->>'reason' AS reason FROM events"
+        " WHERE event_type LIKE 'workspace.%' OR event_type LIKE 'runner.%' ORDER BY seq"
+    )
+    key_id = await db.fetchval("SELECT id::text FROM api_keys WHERE name = 'ops'")
+    assert [(c["event_type"], c["by"], c["reason"]) for c in changes] == [
+        ("workspace.paused", key_id, None),
+        ("runner.paused", key_id, "new disk"),
+        ("workspace.resumed", key_id, None),
+        ("runner.resumed", key_id, None),
+    ]
+
+
 async def test_revoking_the_admin_key_ends_its_sessions(api: Api, db: asyncpg.Connection) -> None:
     key, raw = await credentials.create_api_key(db, kind="admin", name="short lived")
     async with browser(api) as client:
@@ -235,6 +281,8 @@ async def test_an_observer_sees_no_buttons_and_gets_403(api: Api, db: asyncpg.Co
         await sign_in(client, observer)
         page = await client.get(f"/ui/jobs/{job['job_execution_id']}")
         assert "Cancel this job" not in page.text and "read only" in page.text
+        assert "/pause" not in (await client.get("/ui/")).text
+        assert "/pause" not in (await client.get("/ui/runners")).text
         credentials_page = await client.get("/ui/credentials")
         assert "Revoke" not in credentials_page.text and 'action="/ui/credentials"' not in (
             credentials_page.text

@@ -1,9 +1,8 @@
-"""The pages' actions: cancel a job, create and revoke credentials. Each is a form POST that must
-carry the session's CSRF token, is allowed only where `roles.may_act` says so, and writes a
-`ui.*` audit entry to the event feed in the transaction that makes the change.
-
-Issue 14's queue actions (pause, resume, drain) belong here too, beside `cancel`, once the queue
-has them; the runners and overview templates keep their places.
+"""The pages' actions: cancel a job, create and revoke credentials, pause and resume a workspace
+or a runner. Each is a form POST that must carry the session's CSRF token, is allowed only where
+`roles.may_act` says so, and writes an audit entry to the event feed in the transaction that
+makes the change: a `ui.*` entry, or for a pause the queue's own (`workspace.paused`, ...,
+naming the admin key), as the admin API writes it.
 """
 
 from __future__ import annotations
@@ -15,10 +14,12 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
+from controlplane import metrics
 from controlplane.domain.credential_rules import Family, NewCredential
 from controlplane.domain.jobs import Outcome
+from controlplane.domain.pauses import Operator, PauseKind
 from controlplane.errors import ControlPlaneError
-from controlplane.store import credentials, job_views, leases, ui_sessions
+from controlplane.store import credentials, job_views, leases, pauses, ui_sessions
 from controlplane.web.ui import roles
 from controlplane.web.ui.render import page
 from controlplane.web.ui.roles import Principal
@@ -138,3 +139,50 @@ async def revoke_credential(svc: Deps, request: Request) -> Response:
         )
     svc.feed.poke()
     return RedirectResponse("/ui/credentials", status_code=303)
+
+
+_PAUSE_REASON_MAX = 512
+# Where each pause kind's form sends the operator back to.
+_BACK = {PauseKind.WORKSPACE: "/ui/", PauseKind.RUNNER: "/ui/runners"}
+
+
+async def _pause_change(svc: Deps, request: Request, kind: PauseKind, *, paused: bool) -> Response:
+    """Pause or resume a workspace or a runner session as the admin API does (every replica
+    hears it at once; the change is audited with the admin key), then back to its page."""
+    who, fields = await _acting(svc, request)
+    target = _uuid(request.path_params["target_id"], f"{kind.value} id")
+    reason = fields.get("reason", "").strip() or None
+    if reason is not None and (len(reason) > _PAUSE_REASON_MAX or not reason.isprintable()):
+        raise HTTPException(400, f"reason must be 1 to {_PAUSE_REASON_MAX} printable characters")
+    async with svc.pool.acquire() as conn:
+        try:
+            state = await pauses.change(
+                conn,
+                kind,
+                target,
+                paused=paused,
+                operator=Operator(who.key.id, who.key.name),
+                reason=reason,
+            )
+        except ControlPlaneError as error:
+            raise HTTPException(404, str(error)) from error
+    if state.changed:
+        metrics.pause_changes.labels(kind.value, "pause" if paused else "resume").inc()
+    svc.feed.poke()
+    return RedirectResponse(_BACK[kind], status_code=303)
+
+
+async def pause_workspace(svc: Deps, request: Request) -> Response:
+    return await _pause_change(svc, request, PauseKind.WORKSPACE, paused=True)
+
+
+async def resume_workspace(svc: Deps, request: Request) -> Response:
+    return await _pause_change(svc, request, PauseKind.WORKSPACE, paused=False)
+
+
+async def pause_runner(svc: Deps, request: Request) -> Response:
+    return await _pause_change(svc, request, PauseKind.RUNNER, paused=True)
+
+
+async def resume_runner(svc: Deps, request: Request) -> Response:
+    return await _pause_change(svc, request, PauseKind.RUNNER, paused=False)

@@ -15,7 +15,15 @@ from starlette.responses import RedirectResponse, Response
 from controlplane.domain.credential_rules import Family
 from controlplane.domain.labels import label_error
 from controlplane.domain.waiting import Waiting, why_waiting
-from controlplane.store import credentials, fleet, job_views, provisioners, queries, ui_reads
+from controlplane.store import (
+    credentials,
+    fleet,
+    job_views,
+    pauses,
+    provisioners,
+    queries,
+    ui_reads,
+)
 from controlplane.web.jobs import TAKER_WINDOW
 from controlplane.web.ui.plots import chart
 from controlplane.web.ui.render import masked, page
@@ -37,6 +45,7 @@ class QueueRow:
     busy_runners: int
     templates: int
     waiting: Waiting | None  # None when nothing of this label set waits
+    paused: bool = False  # its workspace is paused: nothing is handed out
 
 
 async def overview(svc: Deps, request: Request) -> Response:
@@ -50,6 +59,7 @@ async def overview(svc: Deps, request: Request) -> Response:
         )
         counts = await queries.workspace_counts(conn, spaces)
         depth = await queries.depth(conn)
+        paused, _ = await pauses.paused_among(conn, spaces, [])
     by_group = {(g.workspace_id, g.required_labels): g for g in groups}
     rows = []
     for space in counts:
@@ -68,6 +78,7 @@ async def overview(svc: Deps, request: Request) -> Response:
                     waiting=None
                     if group is None
                     else why_waiting(group.required_labels, group.takers),
+                    paused=space.workspace_id in paused,
                 )
             )
     rows.sort(key=lambda row: (not (row.waiting and row.waiting.stuck), -row.pending))
@@ -77,6 +88,7 @@ async def overview(svc: Deps, request: Request) -> Response:
         who,
         {
             "rows": rows,
+            "workspaces": [(space.workspace_id, space.workspace_id in paused) for space in counts],
             "depth": depth,
             "runners": len(runners),
             "plots": _plots(svc),
@@ -197,12 +209,19 @@ async def runners(svc: Deps, request: Request) -> Response:
         rows = await queries.active_runners(
             conn, None, RUNNERS_SHOWN, svc.settings.pages.list_limit
         )
+        _, paused = await pauses.paused_among(conn, [], [r.runner_session_id for r in rows])
         now = await conn.fetchval("SELECT now()")
     return page(
         request,
         "runners.html",
         who,
-        {"rows": rows, "live_after": now - TAKER_WINDOW, "now": now, "live": True},
+        {
+            "rows": rows,
+            "paused": paused,
+            "live_after": now - TAKER_WINDOW,
+            "now": now,
+            "live": True,
+        },
     )
 
 
