@@ -365,6 +365,9 @@ async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_sess
                 assert row is not None
                 return (row["ended"], row["pending"], row["running"]) == (count, 0, 0)
 
+            async def answered() -> bool:
+                return len(ledger.completed) + len(ledger.lost_leases) >= len(ledger.deliveries)
+
             async def fleet_units(count: int) -> bool:
                 return sum((await _live_grants(db, found.id)).values()) == count
 
@@ -463,6 +466,10 @@ async def test_sigkill_replica_with_parked_runners_claims_and_a_provisioner_sess
                     for _ in range(2):
                         group.start_soon(runner, b, fleet_registration)
                     await _poll(lambda: drained(fleet_workspace, len(fleet_jobs)))
+                    # A runner records its completion when the answer reaches it, after the
+                    # commit `drained` saw: stop the runners only once every delivered job's
+                    # answer has arrived, or one could be cancelled between the two.
+                    await _poll(answered)
                 group.cancel_scope.cancel()
             assert replica_a.process.returncode == -9
             assert replica_b.process.poll() is None, "replica B died"
