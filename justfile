@@ -21,11 +21,21 @@ test *ARGS:
     {{py}} -m pytest {{ARGS}}
 
 # Lint, format check, strict typing, then the tests.
-check:
+check: browser
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
     {{venv}}/bin/mypy
     {{py}} -m pytest -q
+
+# Playwright cannot download a browser here: tests/browser/ drives Debian's chromium, installed
+# when missing and we are root with apt-get; otherwise those tests skip and say why.
+# Install Debian's chromium for the browser tests (when missing, as root).
+browser:
+    #!/usr/bin/env sh
+    if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+            || echo "could not install chromium: the browser tests will skip" >&2
+    fi
 
 # Format the tree.
 fmt:
