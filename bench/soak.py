@@ -243,6 +243,7 @@ async def _work(
         beat = await endpoint.call("POST", f"{path}/heartbeat", lease)
         if beat.status_code in GONE:
             ledger.counts["timed_out_runner_told_gone" if timeout else "leases_lost"] += 1
+            ledger.counts[f"heartbeat_{beat.status_code}"] += 1
             return
         if beat.status_code == 200:
             answer = beat.json()
