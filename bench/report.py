@@ -259,10 +259,14 @@ def _soak(result: dict[str, Any]) -> list[str]:
         ("completed", "completed"),
         ("expired", "expired"),
         ("cancelled", "cancelled"),
+        ("timed_out", "timed out"),
+        ("queue_expired", "queue expired"),
+        ("retries", "retries (job.retried)"),
         ("pending", "still pending"),
         ("running", "still running"),
     ):
-        lines.append(f"| {name} | {found[key]} | |")
+        if key in found:  # the policy lines arrived with issue 14
+            lines.append(f"| {name} | {found[key]} | |")
     for key in (
         "lost",
         "run_twice",
@@ -272,8 +276,12 @@ def _soak(result: dict[str, Any]) -> list[str]:
         "tombstones_without_event",
         "ended_but_queued",
         "acked_but_not_succeeded",
+        "key_over_limit",
+        "timed_out_late",
+        "retried_beyond_limit",
     ):
-        lines.append(f"| {key.replace('_', ' ')} | {found[key]} | 0 |")
+        if key in found:
+            lines.append(f"| {key.replace('_', ' ')} | {found[key]} | 0 |")
     return [*lines, ""]
 
 

@@ -26,6 +26,32 @@ restarted and the runners drain the queue; then the audit reads the database:
 * resurrected: a replayed enqueue of an execution that had been claimed or had ended came back
   as `enqueued`. Must be 0.
 
+The jobs are a mix (issue 14's policies): a priority from PRIORITIES; KEYED_SHARE of them a
+concurrency key of their workspace (KEYS of them, key i with limit 1 + i % 3); TIMEOUT_SHARE a
+run timeout of TIMEOUT_S whose runner overruns it on purpose (it ignores `cancel: true` and keeps
+heartbeating until the lease is gone, so the leader must end it); RETRY_SHARE `retries_on_lost`
+of RETRIES, and the chaos loop kills the runners holding those first. For these:
+
+* run twice is counted per attempt: an execution may be delivered to 1 + (its `job.retried`
+  events) runners, and may have that many more `job.claimed` than `job.requeued` events.
+* key over limit: executions of one key leased at once beyond its limit, seen either way:
+  (a) sampled every SAMPLE_S during the run: keys with more `running_jobs` rows, or a larger
+  `concurrency_keys.running`, than their limit; (b) the feed replayed per key in `seq` order,
+  +1 for each `job.claimed`, -1 for each `job.completed`, `job.lease_expired`, `job.timed_out`,
+  `job.retried` or `job.requeued` (the soak cancels nothing): times the count went above the
+  limit. `seq` order is commit order within one key because a claim's admission and a lease's
+  end both hold the key's `concurrency_keys` row when they write their event. Must be 0.
+* timed out late: executions with outcome `timed_out` whose tombstone's `ended_at` is later
+  than their last lease's start (the `job.claimed` event's `claimed_at`) + timeout + the grace +
+  one reaper interval + LATE_SLACK_S (the leader's try-locks skipping a busy row and a leader
+  failover after a replica is SIGKILLed); plus heartbeats sent after the runner's own deadline
+  (its receipt of the claim + the timeout, never earlier than the lease's real deadline) that
+  were answered 200 without `cancel: true`. Must be 0; `timed_out_lateness_max_s` records the
+  largest lateness past the deadline + grace.
+* retried beyond limit: executions with more `job.retried` events than their `retries_on_lost`,
+  an attempt (pending, running or kept in `execution_attempts`) above `retries_on_lost` + 1, or
+  a `job.retried` event after their terminal event. Must be 0.
+
 `python -m bench.soak --minutes 1` is a smoke run; results in bench/results/soak.json (or
 $BENCH_RESULTS/soak.json).
 """
@@ -34,12 +60,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import anyio
@@ -62,12 +90,24 @@ PROVISIONED_SHARE = 0.1
 CHAOS_EVERY_S = 10.0
 DRAIN_S = 120.0
 MANUAL_WORKSPACES = 4
+PRIORITIES = (-10, 0, 0, 0, 5, 10)
+KEYED_SHARE = 0.3
+KEYS = 6
+TIMEOUT_SHARE = 0.05
+TIMEOUT_S = 4
+RETRY_SHARE = 0.15
+RETRIES = 2
+SAMPLE_S = 0.5
+GRACE_S = 6  # queue.timeout_grace_seconds: must exceed the heartbeat interval (5 s)
+REAPER_S = 1
+LATE_SLACK_S = 10.0
 DAEMON = {
     "CONTROLPLANE_RUNNERS_STALE_LEASE_THRESHOLD_SECONDS": "20",
     "CONTROLPLANE_RUNNERS_NO_FIRST_HEARTBEAT_GRACE_SECONDS": "10",
     "CONTROLPLANE_RUNNERS_HEARTBEAT_INTERVAL_SECONDS": "5",
     "CONTROLPLANE_RUNNERS_LONG_POLL_MAX_SECONDS": "20",
-    "CONTROLPLANE_MAINTENANCE_REAPER_INTERVAL_SECONDS": "1",
+    "CONTROLPLANE_MAINTENANCE_REAPER_INTERVAL_SECONDS": str(REAPER_S),
+    "CONTROLPLANE_QUEUE_TIMEOUT_GRACE_SECONDS": str(GRACE_S),
 }
 GONE = {401, 403, 404, 409, 410}  # the lease, session or token is no longer ours
 
@@ -82,6 +122,10 @@ class Ledger:
     completed: set[uuid.UUID] = field(default_factory=set)
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
     chaos: list[tuple[float, str]] = field(default_factory=list)
+    holding: dict[str, uuid.UUID] = field(default_factory=dict)  # runner -> its execution now
+    late_heartbeats: int = 0  # answered without cancel after the runner's own run deadline
+    key_over_limit_sampled: int = 0
+    samples: int = 0
     errors: list[str] = field(default_factory=list)  # the first few, for the record
 
 
@@ -169,18 +213,46 @@ async def run_job(
     endpoint: Endpoint, body: dict[str, Any], name: str, ledger: Ledger, rng: random.Random
 ) -> None:
     execution = uuid.UUID(body["job_execution_id"])
+    received = time.monotonic()
     ledger.deliveries.setdefault(execution, []).append(name)
+    ledger.holding[name] = execution
+    try:
+        await _work(endpoint, body, execution, received, ledger, rng)
+    finally:
+        ledger.holding.pop(name, None)
+
+
+async def _work(
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    execution: uuid.UUID,
+    received: float,
+    ledger: Ledger,
+    rng: random.Random,
+) -> None:
     lease = body["lease_token"]
     path = f"/v1/runners/jobs/{execution}"
-    work_until = time.monotonic() + rng.uniform(0.2, 3.0)
+    timeout = ledger.jobs[execution].timeout_seconds if execution in ledger.jobs else None
+    if timeout is None:
+        work_until = received + rng.uniform(0.2, 3.0)
+    else:  # overrun on purpose, ignoring cancel, until the leader ends the lease
+        work_until = received + timeout + GRACE_S + REAPER_S + LATE_SLACK_S + 30
     while (left := work_until - time.monotonic()) > 0:
         await anyio.sleep(min(2.0, left))
+        sent = time.monotonic()
         beat = await endpoint.call("POST", f"{path}/heartbeat", lease)
         if beat.status_code in GONE:
-            ledger.counts["leases_lost"] += 1
+            ledger.counts["timed_out_runner_told_gone" if timeout else "leases_lost"] += 1
+            ledger.counts[f"heartbeat_{beat.status_code}"] += 1
             return
         if beat.status_code == 200:
-            lease = beat.json()["lease_token"]
+            answer = beat.json()
+            lease = answer["lease_token"]
+            if timeout is not None and sent >= received + timeout:
+                if answer["cancel"]:
+                    ledger.counts["timeout_cancel_heard"] += 1
+                else:
+                    ledger.late_heartbeats += 1
     done = await endpoint.call("POST", f"{path}/complete", lease, {"outcome": "succeeded"})
     if done.status_code == 200:
         ledger.completed.add(execution)
@@ -294,8 +366,11 @@ class Crew:
             await anyio.sleep(1)
             self.start(prefix, body, revive)
 
-    def kill(self, count: int) -> int:
-        victims = self._rng.sample(sorted(self.live), min(count, len(self.live)))
+    def kill(self, count: int, first: list[str]) -> int:
+        """Kill `count` tasks, those named in `first` (still live) before any others."""
+        preferred = [name for name in first if name in self.live][:count]
+        others = sorted(set(self.live) - set(preferred))
+        victims = preferred + self._rng.sample(others, min(count - len(preferred), len(others)))
         for name in victims:
             self.live[name].cancel()
         return len(victims)
@@ -433,7 +508,7 @@ async def enqueue_load(
             while owed >= 1:
                 owed -= 1
                 share = rng.random() < PROVISIONED_SHARE
-                jobs.append(harness.new_job(rng.choice(provisioned if share else manual)))
+                jobs.append(mixed_job(rng.choice(provisioned if share else manual), rng, ledger))
             if not jobs:
                 continue
             for job, result in zip(jobs, await queue.enqueue(conn, jobs), strict=True):
@@ -448,6 +523,50 @@ async def enqueue_load(
                 ledger.counts["replays"] += 1
                 if result is EnqueueResult.ENQUEUED:
                     ledger.counts["resurrected"] += 1
+    finally:
+        with anyio.CancelScope(shield=True):
+            await conn.close()
+
+
+def mixed_job(workspace: uuid.UUID, rng: random.Random, ledger: Ledger) -> NewJob:
+    """A job with a priority and, by the shares above, a concurrency key, a run timeout its
+    runner will overrun, or retries on a lost runner."""
+    job = dataclasses.replace(harness.new_job(workspace), priority=rng.choice(PRIORITIES))
+    if rng.random() < KEYED_SHARE:
+        key = rng.randrange(KEYS)
+        job = dataclasses.replace(job, concurrency_key=f"key-{key}", concurrency_limit=1 + key % 3)
+        ledger.counts["keyed_jobs"] += 1
+    draw = rng.random()
+    if draw < TIMEOUT_SHARE:
+        job = dataclasses.replace(job, timeout_seconds=TIMEOUT_S)
+        ledger.counts["timeout_jobs"] += 1
+    elif draw < TIMEOUT_SHARE + RETRY_SHARE:
+        job = dataclasses.replace(job, retries_on_lost=RETRIES)
+        ledger.counts["retry_jobs"] += 1
+    return job
+
+
+KEY_SAMPLE = """
+SELECT count(*) FROM (
+    SELECT workspace_id, concurrency_key FROM running_jobs WHERE concurrency_key IS NOT NULL
+    GROUP BY 1, 2 HAVING count(*) > min(concurrency_limit)
+    UNION ALL
+    SELECT k.workspace_id, k.concurrency_key FROM concurrency_keys k
+    WHERE k.running > (SELECT min(r.concurrency_limit) FROM running_jobs r
+                       WHERE r.workspace_id = k.workspace_id
+                         AND r.concurrency_key = k.concurrency_key)
+) over_limit
+"""
+
+
+async def sample_keys(url: str, ledger: Ledger) -> None:
+    """Every SAMPLE_S: keys leased beyond their limit right now (one snapshot)."""
+    conn = await asyncpg.connect(url)
+    try:
+        while True:
+            ledger.key_over_limit_sampled += int(await conn.fetchval(KEY_SAMPLE))
+            ledger.samples += 1
+            await anyio.sleep(SAMPLE_S)
     finally:
         with anyio.CancelScope(shield=True):
             await conn.close()
@@ -476,7 +595,12 @@ async def chaos(
             ledger.chaos.append((at, f"replica {index} SIGKILLed"))
             group.start_soon(restart, index)
         else:
-            killed = crew.kill(rng.randint(1, 5))
+            retrying = sorted(
+                name
+                for name, execution in ledger.holding.items()
+                if execution in ledger.jobs and ledger.jobs[execution].retries_on_lost
+            )
+            killed = crew.kill(rng.randint(1, 5), first=retrying)
             ledger.counts["runner_kills"] += killed
             ledger.chaos.append((at, f"{killed} runner(s) killed"))
 
@@ -487,8 +611,10 @@ claims AS (
     SELECT job_execution_id AS ex,
            count(*) FILTER (WHERE event_type = 'job.claimed') AS claimed,
            count(*) FILTER (WHERE event_type = 'job.requeued') AS requeued,
+           count(*) FILTER (WHERE event_type = 'job.retried') AS retried,
            count(*) FILTER (WHERE event_type IN ('job.completed', 'job.cancelled',
-                                                 'job.lease_expired')) AS terminal
+                                                 'job.lease_expired', 'job.timed_out',
+                                                 'job.queue_expired')) AS terminal
     FROM events WHERE job_execution_id = ANY($1::uuid[]) GROUP BY 1
 )
 SELECT
@@ -499,13 +625,18 @@ SELECT
       WHERE t.outcome = 'expired') AS expired,
     (SELECT count(*) FROM ended_executions t JOIN e ON t.job_execution_id = e.ex
       WHERE t.outcome = 'cancelled') AS cancelled,
+    (SELECT count(*) FROM ended_executions t JOIN e ON t.job_execution_id = e.ex
+      WHERE t.outcome = 'timed_out') AS timed_out,
+    (SELECT count(*) FROM ended_executions t JOIN e ON t.job_execution_id = e.ex
+      WHERE t.outcome = 'queue_expired') AS queue_expired,
+    (SELECT coalesce(sum(retried), 0) FROM claims) AS retries,
     (SELECT count(*) FROM pending_jobs p JOIN e ON p.job_execution_id = e.ex) AS pending,
     (SELECT count(*) FROM running_jobs r JOIN e ON r.job_execution_id = e.ex) AS running,
     (SELECT count(*) FROM e
       WHERE NOT EXISTS (SELECT 1 FROM ended_executions t WHERE t.job_execution_id = e.ex)
         AND NOT EXISTS (SELECT 1 FROM pending_jobs p WHERE p.job_execution_id = e.ex)
         AND NOT EXISTS (SELECT 1 FROM running_jobs r WHERE r.job_execution_id = e.ex)) AS lost,
-    (SELECT count(*) FROM claims WHERE claimed - requeued > 1) AS run_twice_feed,
+    (SELECT count(*) FROM claims WHERE claimed - requeued - retried > 1) AS run_twice_feed,
     (SELECT count(*) FROM claims WHERE terminal > 1) AS terminal_events_twice,
     (SELECT count(*) FROM e
       WHERE EXISTS (SELECT 1 FROM ended_executions t WHERE t.job_execution_id = e.ex)
@@ -519,12 +650,98 @@ SELECT
 """
 
 
-async def audit(conn: asyncpg.Connection, ledger: Ledger) -> dict[str, int]:
+# Each execution's feed, in commit order per key (see the module docstring).
+FEED = """
+SELECT job_execution_id AS ex, event_type, payload->>'claimed_at' AS claimed_at, seq
+FROM events WHERE job_execution_id = ANY($1::uuid[]) ORDER BY seq
+"""
+RELEASES = {"job.completed", "job.lease_expired", "job.timed_out", "job.retried", "job.requeued"}
+TERMINAL = {"job.completed", "job.cancelled", "job.lease_expired", "job.timed_out"}
+ATTEMPTS = """
+SELECT job_execution_id AS ex, max(attempt) AS attempt FROM (
+    SELECT job_execution_id, attempt FROM pending_jobs
+    UNION ALL SELECT job_execution_id, attempt FROM running_jobs
+    UNION ALL SELECT job_execution_id, attempt FROM execution_attempts
+) a WHERE job_execution_id = ANY($1::uuid[]) GROUP BY 1
+"""
+
+
+async def audit_policies(conn: asyncpg.Connection, ledger: Ledger) -> dict[str, Any]:
+    """Key over limit (feed), timed out late and retried beyond limit, as the docstring says."""
+    executions = list(ledger.enqueued)
+    feed = await conn.fetch(FEED, executions)
+    found: dict[str, Any] = {}
+    # Key over limit, replaying the feed per key.
+    running: collections.Counter[tuple[uuid.UUID, str]] = collections.Counter()
+    over = 0
+    retried: collections.Counter[uuid.UUID] = collections.Counter()
+    ended: set[uuid.UUID] = set()
+    retried_after_end = 0
+    last_claim: dict[uuid.UUID, datetime] = {}
+    for event in feed:
+        job = ledger.jobs[event["ex"]]
+        kind = event["event_type"]
+        if kind == "job.claimed":
+            last_claim[event["ex"]] = datetime.fromisoformat(event["claimed_at"])
+        if kind == "job.retried":
+            retried[event["ex"]] += 1
+            retried_after_end += event["ex"] in ended
+        if kind in TERMINAL:
+            ended.add(event["ex"])
+        if job.concurrency_key is None or job.concurrency_limit is None:
+            continue
+        key = (job.identity.workspace_id, job.concurrency_key)
+        if kind == "job.claimed":
+            running[key] += 1
+            over += running[key] > job.concurrency_limit
+        elif kind in RELEASES:
+            running[key] -= 1
+    found["key_over_limit_feed"] = over
+    found["key_over_limit_sampled"] = ledger.key_over_limit_sampled
+    found["key_samples"] = ledger.samples
+    found["key_over_limit"] = over + ledger.key_over_limit_sampled
+    # Timed out late.
+    allowed = GRACE_S + REAPER_S + LATE_SLACK_S
+    lateness = []
+    for row in await conn.fetch(
+        "SELECT job_execution_id AS ex, ended_at FROM ended_executions "
+        "WHERE outcome = 'timed_out' AND job_execution_id = ANY($1::uuid[])",
+        executions,
+    ):
+        timeout = ledger.jobs[row["ex"]].timeout_seconds or 0
+        past = (row["ended_at"] - last_claim[row["ex"]]).total_seconds() - timeout - GRACE_S
+        lateness.append(past)
+    found["timed_out_ended_late"] = sum(1 for past in lateness if past > allowed - GRACE_S)
+    found["timed_out_lateness_max_s"] = round(max(lateness, default=0.0), 2)
+    found["late_heartbeats_without_cancel"] = ledger.late_heartbeats
+    found["timed_out_late"] = found["timed_out_ended_late"] + ledger.late_heartbeats
+    # Retried beyond limit.
+    attempts = {row["ex"]: row["attempt"] for row in await conn.fetch(ATTEMPTS, executions)}
+    beyond = {ex for ex, count in retried.items() if count > ledger.jobs[ex].retries_on_lost}
+    beyond |= {ex for ex, n in attempts.items() if n > ledger.jobs[ex].retries_on_lost + 1}
+    found["retried_after_end"] = retried_after_end
+    found["retried_beyond_limit"] = len(beyond) + retried_after_end
+    found["executions_retried"] = len(retried)
+    return found
+
+
+async def audit(conn: asyncpg.Connection, ledger: Ledger) -> dict[str, Any]:
     row = await conn.fetchrow(AUDIT, list(ledger.enqueued))
     assert row is not None
-    found = {key: int(value) for key, value in row.items()}
+    found: dict[str, Any] = {key: int(value) for key, value in row.items()}
+    found.update(await audit_policies(conn, ledger))
+    retried = {
+        row["ex"]: row["n"]
+        for row in await conn.fetch(
+            "SELECT job_execution_id AS ex, count(*) AS n FROM events "
+            "WHERE event_type = 'job.retried' "
+            "AND job_execution_id = ANY($1::uuid[]) GROUP BY 1",
+            list(ledger.deliveries),
+        )
+    }
+    # Per attempt: a retried execution may reach one more runner per retry.
     found["run_twice_seen"] = sum(
-        1 for runners in ledger.deliveries.values() if len(set(runners)) > 1
+        1 for ex, runners in ledger.deliveries.items() if len(runners) > 1 + retried.get(ex, 0)
     )
     found["run_twice"] = max(found["run_twice_seen"], found["run_twice_feed"])
     ended = await conn.fetch(
@@ -594,6 +811,7 @@ async def run(
                         await manual_runner(name, cluster, registration, ledger, r)
 
                     crew.start("runner", body, revive=True)
+                group.start_soon(sample_keys, url, ledger)
                 for index, token in enumerate(tokens):
                     member = Provisioner(
                         f"prov{index}", token, cluster, crew, ledger, rng.randrange(2**32)
@@ -635,6 +853,16 @@ async def run(
             "chaos_every_s": chaos_every,
             "seed": seed,
             "daemon_settings": DAEMON,
+            "mix": {
+                "priorities": PRIORITIES,
+                "keyed_share": KEYED_SHARE,
+                "keys_per_workspace": KEYS,
+                "timeout_share": TIMEOUT_SHARE,
+                "timeout_s": TIMEOUT_S,
+                "retry_share": RETRY_SHARE,
+                "retries_on_lost": RETRIES,
+                "late_slack_s": LATE_SLACK_S,
+            },
         },
         "elapsed_s": round(drained_s, 1),
         "audit": found,
@@ -659,6 +887,9 @@ MUST_BE_ZERO = (
     "tombstones_without_event",
     "ended_but_queued",
     "acked_but_not_succeeded",
+    "key_over_limit",
+    "timed_out_late",
+    "retried_beyond_limit",
 )
 
 
@@ -669,6 +900,9 @@ def table(results: dict[str, Any]) -> str:
         ("completed", found["completed"], ""),
         ("expired", found["expired"], ""),
         ("cancelled", found["cancelled"], ""),
+        ("timed out", found["timed_out"], ""),
+        ("queue expired", found["queue_expired"], ""),
+        ("retries (job.retried)", found["retries"], ""),
         ("still pending", found["pending"], ""),
         ("still running", found["running"], ""),
     ] + [(name.replace("_", " "), found[name], "must be 0") for name in MUST_BE_ZERO]

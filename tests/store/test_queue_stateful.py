@@ -20,7 +20,17 @@ separate observer connection, plus a small Python model:
 * the life of an execution (docs/policies.md Q-40..): jobs carry run and queue timeouts and
   retries on a lost runner, the leader's run timeout and queue expiry race the rest, and no
   execution is ever retried beyond its limit (its attempt never exceeds `retries_on_lost` + 1,
-  and it has exactly `attempt` - 1 lost attempts on record).
+  and it has exactly `attempt` - 1 lost attempts on record);
+* pauses (docs/policies.md, pause and resume): an operator pauses or resumes the workspace or a
+  session (store/pauses.py `change`) in the same batches as the claims. A claim made while the
+  workspace, or its session, was paused before its batch and not resumed within it hands out
+  nothing (a pause or resume racing the claim in the same batch may go either way). After
+  every batch the model's paused set is the database's;
+* a key never runs over its limit (the `concurrency_keys` count equals its leases, which never
+  exceed the limit); nothing runs twice: an execution's `job.claimed` events never exceed 1 +
+  its `job.requeued` + its `job.retried` events, and it never has two leases; no job is lost:
+  every execution an enqueue answered ENQUEUED is pending, running or has a tombstone; every
+  ended execution has exactly one terminal event.
 """
 
 from __future__ import annotations
@@ -57,8 +67,9 @@ from controlplane.domain.jobs import (
     StaleRule,
 )
 from controlplane.domain.labels import LabelSet, canonicalise
+from controlplane.domain.pauses import Operator, PauseKind, PauseState
 from controlplane.errors import RunnerSessionExhausted, RunningJobExecutionNotFound
-from controlplane.store import claiming, deadlines, leases, queue
+from controlplane.store import claiming, deadlines, leases, pauses, queue
 from controlplane.store.pool import PoolSettings, server_settings
 from tests.conftest import with_database
 from tests.factories import capped_session, manual_session, new_job
@@ -105,7 +116,10 @@ KINDS = [
     "put_back",
     "time_out",
     "expire",
+    "pause",
+    "resume",
 ]
+OPERATOR = Operator(key_id=uuid.UUID(int=14), name="stateful")
 T = TypeVar("T")
 STALE = StaleRule()  # 180 s threshold, 60 s no-first-heartbeat grace
 
@@ -159,6 +173,10 @@ class QueueMachine(RuleBasedStateMachine):
         self.ever_ended: set[UUID] = set()
         self.unknown_reconciled: set[UUID] = set()  # ended before we ever had them
         self.requeued: Counter[UUID] = Counter()  # claims put back, per session
+        self.enqueued: set[UUID] = set()  # every execution an enqueue answered ENQUEUED
+        # Paused targets (the workspace's id, sessions' ids) as of the end of the last batch.
+        self.paused: set[UUID] = set()
+        self.held_paused: set[UUID] = set()  # of those, the ones the current batch keeps paused
         self.unexpected: list[str] = []
         self.steps: list[str] = []
         self.loop.run_until_complete(self._open())
@@ -295,6 +313,9 @@ class QueueMachine(RuleBasedStateMachine):
             self._age(age, 0)
         ended_before = set(self.ever_ended)
         current = self._leases()
+        # A target paused before the batch stays paused through it unless the batch resumes it.
+        resumed = {self._pause_target(op)[1] for op in batch if op.kind == "resume"}
+        self.held_paused = self.paused - resumed
         planned = [self._plan(op, ended_before, current) for op in batch]
         self.steps.append("concurrently: " + " | ".join(p.label for p in planned))
 
@@ -311,6 +332,13 @@ class QueueMachine(RuleBasedStateMachine):
                     self.unexpected.append(f"{plan.label}: {type(result).__name__}: {result}")
                 continue
             plan.check(result)
+        rows = self._run(
+            self.db.fetch(
+                "SELECT workspace_id AS id FROM paused_workspaces"
+                " UNION ALL SELECT runner_session_id FROM paused_runners"
+            )
+        )
+        self.paused = {row["id"] for row in rows}
 
     def _violation(self, message: str) -> None:
         self.unexpected.append(message)
@@ -359,6 +387,8 @@ class QueueMachine(RuleBasedStateMachine):
             return self._plan_reconcile(op, ended_before)
         if op.kind in ("time_out", "expire"):
             return self._plan_deadline(op, ended_before)
+        if op.kind in ("pause", "resume"):
+            return self._plan_pause(op)
         assert op.kind == "reap"
         return self._plan_reap(op, ended_before)
 
@@ -373,6 +403,8 @@ class QueueMachine(RuleBasedStateMachine):
                 ex = job.identity.job_execution_id
                 if ex in ended_before and result != EnqueueResult.ENDED:
                     self._violation(f"{label}: replay of ended {ex} returned {result}")
+                if result == EnqueueResult.ENQUEUED:
+                    self.enqueued.add(ex)
 
         return Planned(label, lambda conn: queue.enqueue(conn, jobs), check)
 
@@ -380,10 +412,14 @@ class QueueMachine(RuleBasedStateMachine):
         session = self.sessions[op.pick % len(self.sessions)]
         label = f"claim by {str(session.runner_session_id)[-4:]} cap={session.max_claims}"
 
+        held = {self.workspace, session.runner_session_id} & self.held_paused
+
         def check(claimed: ClaimedJob | None) -> None:
             if claimed is None:
                 return
             ex = claimed.identity.job_execution_id
+            if held:
+                self._violation(f"{label}: claimed {ex} while {held} stayed paused")
             if ex in ended_before:
                 self._violation(f"{label}: claimed ended execution {ex}")
             if not set(claimed.required_labels) <= set(session.labels):
@@ -453,6 +489,29 @@ class QueueMachine(RuleBasedStateMachine):
                     self.unknown_reconciled.add(ex)
 
         return Planned(label, lambda conn: leases.reconcile(conn, ex, status, "test"), check)
+
+    def _pause_target(self, op: Op) -> tuple[PauseKind, UUID]:
+        """The workspace (one op in three) or one of the sessions."""
+        if op.variant % 3 == 0:
+            return PauseKind.WORKSPACE, self.workspace
+        return PauseKind.RUNNER, self.sessions[op.pick % len(self.sessions)].runner_session_id
+
+    def _plan_pause(self, op: Op) -> Planned:
+        kind, target = self._pause_target(op)
+        paused = op.kind == "pause"
+        label = f"{op.kind} {kind} {str(target)[-4:]}"
+
+        def check(state: PauseState) -> None:
+            if state.paused != paused or state.target_id != target:
+                self._violation(f"{label}: answered {state}")
+
+        return Planned(
+            label,
+            lambda conn: pauses.change(
+                conn, kind, target, paused=paused, operator=OPERATOR, reason=None
+            ),
+            check,
+        )
 
     def _plan_reap(self, op: Op, ended_before: set[UUID]) -> Planned:
         limit = REAP_LIMITS[op.pick % len(REAP_LIMITS)]
@@ -643,6 +702,40 @@ class QueueMachine(RuleBasedStateMachine):
             )
         )
         assert not live, self._fail("an ended execution has a live, uncancelled lease", live)
+
+    @invariant()
+    def nothing_runs_twice(self) -> None:
+        """Each claim of an execution but its first follows a put-back or a retry."""
+        twice = self._run(
+            self.db.fetch(
+                """
+                SELECT job_execution_id,
+                       count(*) FILTER (WHERE event_type = 'job.claimed') AS claimed,
+                       count(*) FILTER (WHERE event_type = 'job.requeued') AS requeued,
+                       count(*) FILTER (WHERE event_type = 'job.retried') AS retried
+                FROM events WHERE job_execution_id IS NOT NULL
+                GROUP BY job_execution_id
+                HAVING count(*) FILTER (WHERE event_type = 'job.claimed')
+                     > 1 + count(*) FILTER (WHERE event_type IN ('job.requeued', 'job.retried'))
+                """
+            )
+        )
+        assert not twice, self._fail("claimed more often than put back or retried", twice)
+
+    @invariant()
+    def no_job_is_lost(self) -> None:
+        lost = self._run(
+            self.db.fetch(
+                """
+                SELECT ex FROM unnest($1::uuid[]) AS ex
+                WHERE NOT EXISTS (SELECT 1 FROM pending_jobs p WHERE p.job_execution_id = ex)
+                  AND NOT EXISTS (SELECT 1 FROM running_jobs r WHERE r.job_execution_id = ex)
+                  AND NOT EXISTS (SELECT 1 FROM ended_executions t WHERE t.job_execution_id = ex)
+                """,
+                list(self.enqueued),
+            )
+        )
+        assert not lost, self._fail("enqueued, then neither pending, running nor ended", lost)
 
     @invariant()
     def never_retried_beyond_the_limit(self) -> None:
