@@ -124,7 +124,8 @@ def _range(rounds: list[float] | None) -> str:
 def _peer_table(found: dict[str, Any], runs: dict[str, Any]) -> list[str]:
     versions = ", ".join(f"{name} {version}" for name, version in found["versions"].items())
     lines = [
-        "Peers on the same server, no-op jobs, one job per fetch (pgqueuer `batch_size=1`; "
+        f"Peers (measured {found.get('measured_at', 'with the table above')}) on the same "
+        "server, no-op jobs, one job per fetch (pgqueuer `batch_size=1`; "
         "procrastinate fetches one job per sub-worker), worker concurrency = our runner count; "
         "our HTTP and SQL figures measured again in the same rounds, each figure the median of "
         f"its rounds ({versions or 'none'}). "
@@ -377,13 +378,31 @@ def _limits(result: dict[str, Any]) -> list[str]:
 
 
 def _compare(result: dict[str, Any]) -> list[str]:
-    sizes = result["sizes"]
-    lines = _section(
-        "Refactor: before and after (same run)",
+    return _before_after(
         result,
+        "Refactor: before and after (same run)",
         "Issue 13's acceptance: the main figures of bench/throughput.py, bench/dispatch.py and "
         f"bench/demand.py through the tree before the refactor ({result['baseline']}) and this "
-        "tree, each side with its own two replicas, database and measuring process, all in its "
+        "tree",
+    )
+
+
+def _policies_off(result: dict[str, Any]) -> list[str]:
+    return _before_after(
+        result,
+        "Dispatch policies off: before and after (same run)",
+        "Issue 14's acceptance (the HTTP lifecycle with every policy off within 5% of before): "
+        f"bench/compare.py's throughput only, the tree before issue 14 ({result['baseline']}) "
+        "and this tree",
+    )
+
+
+def _before_after(result: dict[str, Any], title: str, what: str) -> list[str]:
+    sizes = result["sizes"]
+    lines = _section(
+        title,
+        result,
+        f"{what}, each side with its own two replicas, database and measuring process, all in its "
         "own tree's code (bench/compare.py); the order alternating round by round, medians of "
         f"{sizes['rounds']} rounds; {sizes['jobs']} jobs per lifecycle run, {sizes['samples']} "
         f"samples per latency run; {result['elapsed_s']} s in all. Change is the median of the "
@@ -419,6 +438,7 @@ RENDERERS = {
     "cli_startup": _cli_startup,
     "limits": _limits,
     "compare": _compare,
+    "policies_off": _policies_off,  # bench/compare.py's result against 7569915, renamed
 }
 
 
