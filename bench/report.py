@@ -82,14 +82,29 @@ def _throughput(result: dict[str, Any]) -> list[str]:
         "SQL on direct connections with the store's statements. Each figure is the median of "
         f"{result.get('rounds', 1)} interleaved runs (their range in brackets). Same-server "
         f"pgbench TPC-B: {result['pgbench_tpcb_tps']} tps.",
-        "| runners | HTTP jobs/s | SQL jobs/s (baseline) | HTTP / SQL |",
-        "|---:|---:|---:|---:|",
+        "| runners | HTTP jobs/s | SQL jobs/s (baseline) | HTTP / SQL | HTTP with policies "
+        "jobs/s | policies / plain (median of round pairs) |",
+        "|---:|---:|---:|---:|---:|---:|",
     )
     for count, row in result["runs"].items():
+        policies = row.get("http_policies_jobs_per_s", "")  # recorded since issue 14
+        if policies:
+            policies = f"{policies}{_range(row.get('http_policies_rounds'))}"
         lines.append(
             f"| {count} | {row['http_jobs_per_s']}{_range(row.get('http_rounds'))} | "
-            f"{row['sql_jobs_per_s']}{_range(row.get('sql_rounds'))} | {row['http_to_sql']} |"
+            f"{row['sql_jobs_per_s']}{_range(row.get('sql_rounds'))} | {row['http_to_sql']} | "
+            f"{policies} | {row.get('policies_to_plain', '')} "
+            f"({row.get('paired_policies_to_plain', '')}) |"
         )
+    if "policies" in result:
+        shape = result["policies"]
+        lines += [
+            "",
+            f"HTTP with policies: every job with one of {shape['keys']} concurrency keys (limit "
+            f"{shape['key_limit']}) and one of {shape['projects']} projects, the workspace "
+            "ordering `fair`; plain and policies alternate which runs first in each round. "
+            "Target (issue 14): policies / plain at least 0.8.",
+        ]
     if "peers" in result:
         lines += ["", *_peer_table(result["peers"], result["peers"]["by_concurrency"])]
     return [*lines, ""]
@@ -109,7 +124,8 @@ def _range(rounds: list[float] | None) -> str:
 def _peer_table(found: dict[str, Any], runs: dict[str, Any]) -> list[str]:
     versions = ", ".join(f"{name} {version}" for name, version in found["versions"].items())
     lines = [
-        "Peers on the same server, no-op jobs, one job per fetch (pgqueuer `batch_size=1`; "
+        f"Peers (measured {found.get('measured_at', 'with the table above')}) on the same "
+        "server, no-op jobs, one job per fetch (pgqueuer `batch_size=1`; "
         "procrastinate fetches one job per sub-worker), worker concurrency = our runner count; "
         "our HTTP and SQL figures measured again in the same rounds, each figure the median of "
         f"its rounds ({versions or 'none'}). "
@@ -201,6 +217,8 @@ def _scale(result: dict[str, Any]) -> list[str]:
             f"{ratio[many]['p99_ms']} |",
             "",
         ]
+    if "ordering" in result:
+        lines += _ordering(result["ordering"])
     if "reaper" in result:
         reaper = result["reaper"]
         lines += [
@@ -234,6 +252,37 @@ def _scale(result: dict[str, Any]) -> list[str]:
         for count, row in scaling["replicas"].items():
             lines.append(f"| {count} | {row['http_jobs_per_s']} | {row['http_to_sql']} |")
         lines.append("")
+    return lines
+
+
+def _ordering(found: dict[str, Any]) -> list[str]:
+    many = f"{found['connections']}_connections"
+    lines = [
+        f"### Claim latency with the ordering policies, {found['depth']:,} pending rows",
+        "",
+        f"The store's `claiming.claim`, {found['samples']} timed claims per variant, each "
+        "followed by an untimed completion and an enqueue of the same shape; two fresh databases "
+        f"of the same run: plain FIFO, and the rows spread over {found['projects']:,} projects, "
+        f"{found['priorities']} priorities and {found['keys']:,} concurrency keys of limit "
+        f"{found['key_limit']}. Measured {found.get('measured_at', '?')}. "
+        "Target: policies within 1.5x of plain.",
+        "",
+        "| variant | filled in s | p50 ms (1 conn) | p99 ms (1 conn) | "
+        f"p50 ms ({found['connections']} conns) | p99 ms ({found['connections']} conns) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in found["variants"].items():
+        lines.append(
+            f"| {name} | {row['filled_in_s']} | {row['one_connection']['p50_ms']} | "
+            f"{row['one_connection']['p99_ms']} | {row[many]['p50_ms']} | {row[many]['p99_ms']} |"
+        )
+    ratio = found["ratio_policies_to_plain"]
+    lines += [
+        f"| policies / plain | | {ratio['one_connection']['p50_ms']} | "
+        f"{ratio['one_connection']['p99_ms']} | {ratio[many]['p50_ms']} | "
+        f"{ratio[many]['p99_ms']} |",
+        "",
+    ]
     return lines
 
 
@@ -337,13 +386,31 @@ def _limits(result: dict[str, Any]) -> list[str]:
 
 
 def _compare(result: dict[str, Any]) -> list[str]:
-    sizes = result["sizes"]
-    lines = _section(
-        "Refactor: before and after (same run)",
+    return _before_after(
         result,
+        "Refactor: before and after (same run)",
         "Issue 13's acceptance: the main figures of bench/throughput.py, bench/dispatch.py and "
         f"bench/demand.py through the tree before the refactor ({result['baseline']}) and this "
-        "tree, each side with its own two replicas, database and measuring process, all in its "
+        "tree",
+    )
+
+
+def _policies_off(result: dict[str, Any]) -> list[str]:
+    return _before_after(
+        result,
+        "Dispatch policies off: before and after (same run)",
+        "Issue 14's acceptance (the HTTP lifecycle with every policy off within 5% of before): "
+        f"bench/compare.py's throughput only, the tree before issue 14 ({result['baseline']}) "
+        "and this tree",
+    )
+
+
+def _before_after(result: dict[str, Any], title: str, what: str) -> list[str]:
+    sizes = result["sizes"]
+    lines = _section(
+        title,
+        result,
+        f"{what}, each side with its own two replicas, database and measuring process, all in its "
         "own tree's code (bench/compare.py); the order alternating round by round, medians of "
         f"{sizes['rounds']} rounds; {sizes['jobs']} jobs per lifecycle run, {sizes['samples']} "
         f"samples per latency run; {result['elapsed_s']} s in all. Change is the median of the "
@@ -379,6 +446,7 @@ RENDERERS = {
     "cli_startup": _cli_startup,
     "limits": _limits,
     "compare": _compare,
+    "policies_off": _policies_off,  # bench/compare.py's result against 7569915, renamed
 }
 
 

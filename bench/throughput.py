@@ -10,6 +10,10 @@ none is left; jobs/s is jobs divided by the time from the first request to the l
   bench/wire.py, so that the benchmark's own client takes little of the two cores;
 * sql: the same three steps as the store's own statements on direct asyncpg connections, with no
   HTTP, daemon or token work in between: the floor of what the database allows with our schema;
+* http with policies: the same HTTP lifecycle, interleaved with the plain one round by round,
+  with every job carrying one of POLICY_KEYS concurrency keys (limit POLICY_KEY_LIMIT) and one of
+  POLICY_PROJECTS projects, in a workspace set to `fair` ordering (issue 14: within 20% of the
+  plain lifecycle; the ratio of each round's pair is reported, and the median of those ratios);
 * pgbench: TPC-B (`pgbench -c 10 -j 2 -T 10`) on the same server, for the machine's scale;
 * peers: procrastinate and pgqueuer on the same server (bench/peers.py), each beside our HTTP
   and SQL figures measured again at the same concurrency just before it.
@@ -17,12 +21,14 @@ none is left; jobs/s is jobs divided by the time from the first request to the l
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import statistics
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -31,19 +37,38 @@ import anyio
 import asyncpg
 
 from bench import harness, peers, wire
-from controlplane.domain.jobs import Outcome, SessionClaims
-from controlplane.store import claiming, credentials, leases, queue, sessions
+from controlplane.domain.jobs import NewJob, Outcome, SessionClaims
+from controlplane.store import claiming, credentials, leases, ordering, queue, sessions
 
 RUNNER_COUNTS = (10, 50, 200)
 JOBS = 6000
 REPLICAS = 1
 ROUNDS = 3  # each figure is the median of this many runs (single runs varied by a third)
+POLICY_KEYS = 100  # concurrency keys of the policies variant, POLICY_KEY_LIMIT each: up to 500
+POLICY_KEY_LIMIT = 5  # running at once, more than the largest runner count, so no key starves
+POLICY_PROJECTS = 10  # projects the fair ordering ranks by their running executions
 
 
-async def _fill(url: str, workspace: uuid.UUID, count: int) -> None:
+def _policy_job(workspace: uuid.UUID, projects: list[uuid.UUID], index: int) -> NewJob:
+    """A job of the policies variant: a concurrency key and a project, round-robin."""
+    job = harness.new_job(workspace)
+    return replace(
+        job,
+        identity=replace(job.identity, project_id=projects[index % len(projects)]),
+        concurrency_key=f"key-{index % POLICY_KEYS}",
+        concurrency_limit=POLICY_KEY_LIMIT,
+    )
+
+
+async def _fill(url: str, workspace: uuid.UUID, count: int, policies: bool = False) -> None:
     conn = await asyncpg.connect(url)
     try:
-        jobs = [harness.new_job(workspace) for _ in range(count)]
+        if policies:
+            await ordering.set_workspace_ordering(conn, workspace, ordering.Ordering.FAIR)
+            projects = [uuid.uuid4() for _ in range(POLICY_PROJECTS)]
+            jobs = [_policy_job(workspace, projects, index) for index in range(count)]
+        else:
+            jobs = [harness.new_job(workspace) for _ in range(count)]
         for start in range(0, count, 500):
             await queue.enqueue(conn, jobs[start : start + 500])
         # Statistics as autovacuum keeps them on a running system. Without this a burst into a
@@ -127,11 +152,14 @@ async def registration_token(url: str, workspace: uuid.UUID) -> str:
     return registration
 
 
-async def http_lifecycle(url: str, addresses: list[str], runners: int, jobs: int) -> float:
-    """Jobs/s of `runners` HTTP runners spread over the replicas at `addresses`."""
+async def http_lifecycle(
+    url: str, addresses: list[str], runners: int, jobs: int, policies: bool = False
+) -> float:
+    """Jobs/s of `runners` HTTP runners spread over the replicas at `addresses`; with
+    `policies`, every job has a concurrency key and the workspace orders fairly."""
     workspace = uuid.uuid4()
     registration = await registration_token(url, workspace)
-    await _fill(url, workspace, jobs)
+    await _fill(url, workspace, jobs, policies)
     clients = runner_clients(addresses, runners)
     done = 0
     finished = anyio.Event()
@@ -182,6 +210,11 @@ async def run(
         "jobs_per_run": jobs,
         "replicas": REPLICAS,
         "rounds": rounds,
+        "policies": {
+            "keys": POLICY_KEYS,
+            "key_limit": POLICY_KEY_LIMIT,
+            "projects": POLICY_PROJECTS,
+        },
         "runs": {},
     }
     with harness.postgres() as server:
@@ -189,22 +222,34 @@ async def run(
         async with harness.replicas(url, REPLICAS) as started:
             addresses = [replica.address for replica in started]
             for count in runner_counts:
-                sqls, https = [], []
-                for _ in range(rounds):  # interleaved, so a slow spell of the machine hits both
+                sqls: list[float] = []
+                https: list[float] = []
+                policed: list[float] = []
+                for index in range(rounds):  # interleaved, so a slow spell hits every figure
                     sqls.append(await sql_lifecycle(url, count, jobs))
-                    https.append(await http_lifecycle(url, addresses, count, jobs))
+                    pair = [False, True] if index % 2 == 0 else [True, False]
+                    for policies in pair:  # plain and policies alternate which goes first
+                        rate = await http_lifecycle(url, addresses, count, jobs, policies)
+                        (policed if policies else https).append(rate)
                 sql, http = statistics.median(sqls), statistics.median(https)
+                policy = statistics.median(policed)
+                paired = statistics.median(p / h for p, h in zip(policed, https, strict=True))
                 results["runs"][str(count)] = {
                     "sql_jobs_per_s": round(sql, 1),
                     "http_jobs_per_s": round(http, 1),
                     "http_to_sql": round(http / sql, 2),
+                    "http_policies_jobs_per_s": round(policy, 1),
+                    "policies_to_plain": round(policy / http, 3),
+                    "paired_policies_to_plain": round(paired, 3),
                     "sql_rounds": [round(rate, 1) for rate in sqls],
                     "http_rounds": [round(rate, 1) for rate in https],
+                    "http_policies_rounds": [round(rate, 1) for rate in policed],
                 }
                 print(
                     f"{count:>4} runners: sql {sql:.0f} jobs/s, http {http:.0f} jobs/s "
-                    f"({http / sql:.2f} of sql; medians of {rounds}: "
-                    f"sql {_spread(sqls)}, http {_spread(https)})"
+                    f"({http / sql:.2f} of sql), http with policies {policy:.0f} jobs/s "
+                    f"({paired:.3f} of plain, median of round pairs); medians of {rounds}: "
+                    f"sql {_spread(sqls)}, http {_spread(https)}, policies {_spread(policed)}"
                 )
             if peer_concurrency:
                 results["peers"] = await _peers(
@@ -253,5 +298,25 @@ async def _peers(
     return found
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.throughput", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--jobs", type=int, default=JOBS)
+    parser.add_argument("--runners", default=",".join(map(str, RUNNER_COUNTS)))
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument(
+        "--no-peers", action="store_true", help="leave procrastinate and pgqueuer out"
+    )
+    args = parser.parse_args()
+    counts = tuple(int(part) for part in args.runners.split(",") if part)
+    peer_concurrency = () if args.no_peers else peers.CONCURRENCY
+
+    async def go() -> None:
+        await run(args.jobs, counts, peer_concurrency, args.rounds)
+
+    anyio.run(go)
+
+
 if __name__ == "__main__":
-    anyio.run(run)
+    main()
