@@ -181,8 +181,9 @@ def _on_enqueued(
 
 def _on_paused(dispatcher: Dispatcher, demand: DemandBoard) -> Callable[[str], None]:
     """A pause changed (store/pauses.py): a paused runner's parked polls are answered, a resumed
-    workspace's parked runners claim at once, a drain or undrain changes what provisioners may
-    bind (and a drained idle runner leaves its template's warm pool)."""
+    workspace's parked runners claim at once and its provisioners allocate at once, a drain or
+    undrain changes what provisioners may bind (and a drained idle runner leaves its template's
+    warm pool)."""
 
     def changed(payload: str) -> None:
         change = pauses.parse_change(payload)
@@ -190,8 +191,12 @@ def _on_paused(dispatcher: Dispatcher, demand: DemandBoard) -> Callable[[str], N
             return
         if change.kind is pauses.PauseKind.RUNNER and change.workspace_id is not None:
             dispatcher.runner_paused(change.workspace_id, change.target_id, change.paused)
-        elif change.kind is pauses.PauseKind.WORKSPACE and not change.paused:
-            dispatcher.wake(change.target_id, None)
+        elif change.kind is pauses.PauseKind.WORKSPACE:
+            # A paused workspace's jobs are no demand (store/demand_inputs.py): either way its
+            # provisioners' rounds are due now, not at their safety tick.
+            demand.wake_workspace(change.target_id)
+            if not change.paused:
+                dispatcher.wake(change.target_id, None)
         elif change.kind is pauses.PauseKind.RUNNER_INSTANCE:
             demand.wake_all()
 

@@ -48,6 +48,12 @@ jobs_retried = Counter(
     "Leases lost with their runner whose execution went back to the queue for another attempt.",
     registry=REGISTRY,
 )
+claims_key_full = Counter(
+    "controlplane_claim_key_full_steps_total",
+    "Pending jobs a claim locked and then stepped over because their concurrency key had no free "
+    "slot at admission (full, or its key row held by another claim admitting).",
+    registry=REGISTRY,
+)
 put_backs = Counter(
     "controlplane_put_backs_total",
     "Claims returned to the queue because their runner was gone.",

@@ -21,6 +21,7 @@ from controlplane.domain.jobs import (
 )
 from controlplane.domain.labels import LabelSet
 from controlplane.errors import RunnerSessionExhausted
+from controlplane.metrics import claims_key_full
 from controlplane.store import activations, ordering
 from controlplane.store.pool import Conn
 from controlplane.store.records import (
@@ -51,7 +52,7 @@ _SESSION_NOT_PAUSED = "NOT EXISTS (SELECT 1 FROM paused_runners WHERE runner_ses
 @dataclass(frozen=True, slots=True)
 class ProvisionedClaim(ClaimedJob):
     """A claim by a capped session of a provisioner's runner, with what the queue-time and
-    first-claim metrics label it by (the caller records them: the store imports no metrics)."""
+    first-claim metrics label it by (the caller records them: it knows the delivery)."""
 
     provider_kind: str | None = None
     launch_kind: str | None = None  # None: no runner instance links this session
@@ -210,7 +211,9 @@ WITH candidate AS MATERIALIZED (
       AND (updated_at < now() - $7::interval OR ($8 AND EXISTS (SELECT 1 FROM leased)))
     RETURNING 1
 )
-SELECT c.id AS candidate, c.locked, (SELECT count(*) FROM logged) AS logged,
+SELECT c.id AS candidate, c.locked,
+       c.locked AND c.concurrency_key IS NOT NULL AND NOT EXISTS (SELECT 1 FROM taken) AS key_full,
+       (SELECT count(*) FROM logged) AS logged,
        (SELECT count(*) FROM touched) AS touched, l.workspace_id, l.workflow_run_id,
        l.workflow_run_attempt_id, l.job_id, l.job_execution_id, l.project_id, l.required_labels,
        l.payload::text AS payload, l.queued_at, l.started_at
@@ -242,8 +245,11 @@ async def _claim_attempts(
         if row["candidate"] is None:
             return None
         if row["job_execution_id"] is None:
-            # Busy (its execution lock is held) or an orphan (deleted just now): step over it.
+            # Busy (its execution lock is held), an orphan (deleted just now), or its key had no
+            # free slot at admission: step over it.
             stepped_over.append(row["candidate"])
+            if row["key_full"]:
+                claims_key_full.inc()
             continue
         return ClaimedJob(
             identity=identity(row),
@@ -340,6 +346,8 @@ async def claim_batch(
                 # A row its key did not admit (the key had fewer free slots than the batch had
                 # rows of it) is no busy head: the budget for those is MAX_STEPPED_OVER.
                 busy += row["admitted"] or not row["locked"]
+                if row["locked"] and not row["admitted"]:
+                    claims_key_full.inc()  # only a key refuses a locked candidate
                 continue
             claimed[row["runner_session_id"]] = ClaimedJob(
                 identity=identity(row),

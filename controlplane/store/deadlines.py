@@ -4,7 +4,22 @@ timeout are removed as `queue_expired` (`expire_queued`). Each writes a tombston
 terminal event per execution it ends (store/leases.py `end_executions`); the rules are
 domain/lifetimes.py's `timed_out` and `queue_expired`.
 
-Neither ever waits for a lock held by a hot-path transaction:
+At the run deadline itself (not its grace) a lease's cancel is requested by the server
+(`cancel_at_deadline`, run first by `time_out`): `cancellation_requested_at` is set to the
+deadline and `NOTIFY cp_cancel` names the execution, exactly as an orchestrator's cancel does
+(store/leases.py `reconcile`). The heartbeat already answers `cancel: true` from the deadline
+alone; the stamp is for everything that reads a cancel from the lease row: a provisioned runner's
+terminate intent and reconcile answer (sql/0011's `cp_terminate_candidates`, store/reconcile.py),
+the release of its unit once its provider reports it gone (store/runner_release.py), and the
+job's views. Without it a provisioner kept a timed-out runner running, and after the leader
+ended the lease nothing asked it to stop.
+
+None of them ever waits for a lock held by a hot-path transaction:
+
+* `cancel_at_deadline` locks the running rows it stamps `FOR UPDATE SKIP LOCKED` and takes no
+  other lock (not the execution lock: a row a completion, a cancel or a heartbeat holds is
+  stamped at the next round, or never if that lease ends first). Only a heartbeat or a
+  completion may wait for it, for one statement.
 
 * `time_out` is the reaper's shape: execution **try**-locks on the leases it keeps -> pending
   rows (orphan sweep) -> running rows (delete) -> tombstones -> events. A lease whose lock is
@@ -22,21 +37,55 @@ from datetime import timedelta
 
 from controlplane.domain.jobs import EndedLease, EventType, JobIdentity, Outcome
 from controlplane.store import leases, locks
+from controlplane.store.leases import CANCEL_CHANNEL
 from controlplane.store.pool import Conn
 from controlplane.store.records import IDENTITY_COLUMNS, identity, qualified
 
 _RUN_DEADLINE = "started_at + timeout_seconds * interval '1 second'"
 
 
+async def cancel_at_deadline(conn: Conn, *, limit: int = 100) -> int:
+    """Request the cancel of up to `limit` leases past their run deadline that have none yet,
+    earliest deadline first: `cancellation_requested_at` is the deadline, and one `NOTIFY
+    cp_cancel` per execution is delivered at commit. Returns how many it stamped.
+
+    Locks: the running rows, `FOR UPDATE SKIP LOCKED`, in one statement; nothing else.
+    """
+    return len(
+        await conn.fetch(
+            f"""
+            WITH due AS MATERIALIZED (
+                SELECT id FROM running_jobs
+                WHERE timeout_seconds IS NOT NULL AND cancellation_requested_at IS NULL
+                  AND {_RUN_DEADLINE} <= now()
+                ORDER BY {_RUN_DEADLINE}, id
+                LIMIT $1
+                FOR UPDATE SKIP LOCKED
+            ), stamped AS (
+                UPDATE running_jobs AS r SET cancellation_requested_at = {_RUN_DEADLINE}
+                FROM due WHERE r.id = due.id
+                RETURNING r.job_execution_id
+            )
+            SELECT pg_notify($2, job_execution_id::text) FROM stamped
+            """,  # noqa: S608 -- interpolates constants only: _RUN_DEADLINE
+            limit,
+            CANCEL_CHANNEL,
+        )
+    )
+
+
 async def time_out(conn: Conn, grace: timedelta, *, limit: int = 100) -> list[EndedLease]:
     """End up to `limit` leases whose run deadline passed more than `grace` ago, earliest
     deadline first, each with outcome `timed_out` and one `job.timed_out` event (none when the
-    execution had ended already, cancelled while its lease drained).
+    execution had ended already, cancelled while its lease drained). First, in a transaction of
+    its own, request the cancel of up to `limit` leases past their deadline
+    (`cancel_at_deadline`), so a provisioner hears of it within one leader round.
 
     Locks: execution try-locks -> pending rows (orphan sweep) -> running rows (delete) ->
     tombstones -> events. The deadline never moves, so the delete needs no re-check; a lease
     completed before we took its lock is simply gone.
     """
+    await cancel_at_deadline(conn, limit=limit)
     async with conn.transaction():
         picked = await leases.lock_and_sweep(
             conn,

@@ -288,8 +288,9 @@ async def demand_workspaces(
     provisioner_id: UUID | None = None,
     limit: int = 1000,
 ) -> list[UUID]:
-    """Workspaces with pending jobs, oldest demand first (then id), at most `limit` (one walk
-    serves the oldest; the rest wait for a later round); `eligible` None is all. With
+    """Workspaces with pending jobs that could start (their workspace not paused, their queue
+    deadline not passed), oldest demand first (then id), at most `limit` (one walk serves the
+    oldest; the rest wait for a later round); `eligible` None is all. With
     `provisioner_id`, only those its eligibility admits (store/eligibility.py; no row: all),
     read in this same statement, so every walk sees the eligibility as it stands and the limit
     counts admitted workspaces only. The condition is `Eligibility.admits` in SQL."""
@@ -297,7 +298,10 @@ async def demand_workspaces(
         """
         SELECT w.workspace_id
           FROM (SELECT workspace_id, min(created_at) AS oldest FROM pending_jobs
-                 WHERE $1::uuid[] IS NULL OR workspace_id = ANY($1::uuid[])
+                 WHERE ($1::uuid[] IS NULL OR workspace_id = ANY($1::uuid[]))
+                   AND (expires_at IS NULL OR expires_at > now())
+                   AND NOT EXISTS (SELECT 1 FROM paused_workspaces pw
+                                    WHERE pw.workspace_id = pending_jobs.workspace_id)
                  GROUP BY workspace_id) w
           LEFT JOIN provisioner_eligibility e ON e.provisioner_id = $3
          WHERE e.provisioner_id IS NULL
