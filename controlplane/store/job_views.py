@@ -239,10 +239,12 @@ async def queue_place(conn: Conn, job_execution_id: UUID) -> QueuePlace | None:
     )
 
 
-async def pending_groups(conn: Conn, window: timedelta, limit: int = 1000) -> list[PendingGroup]:
-    """Each (workspace, label set) with pending executions, oldest first, with its takers."""
-    rows = await conn.fetch(
-        """
+# Every pending (workspace, label set) with its takers, in one statement: the runners and
+# templates of the groups' workspaces are read once and counted per label set (the takers read
+# above, for all groups at once). Runners are first folded to (workspace, labels) with counts,
+# so each group compares against distinct label sets rather than every session.
+_GROUPS = """
+    WITH groups AS (
         SELECT workspace_id, required_labels, count(*) AS pending,
                min(enqueued_at) AS oldest
         FROM pending_jobs p
@@ -251,16 +253,77 @@ async def pending_groups(conn: Conn, window: timedelta, limit: int = 1000) -> li
         GROUP BY workspace_id, required_labels
         ORDER BY oldest, workspace_id
         LIMIT $1
-        """,
-        limit,
+    ), spaces AS (
+        SELECT DISTINCT workspace_id FROM groups
+    ), live_runners AS (
+        SELECT s.workspace_id, s.labels,
+               EXISTS (SELECT 1 FROM running_jobs r WHERE r.runner_session_id = s.id) AS busy,
+               EXISTS (SELECT 1 FROM paused_runners pr WHERE pr.runner_session_id = s.id)
+                   AS paused
+        FROM runner_sessions s
+        WHERE s.workspace_id IN (SELECT workspace_id FROM spaces) AND s.revoked_at IS NULL
+          AND s.updated_at > now() - $2::interval
+          AND (s.max_claims IS NULL OR s.claims_used < s.max_claims)
+    ), runner_sets AS (
+        SELECT workspace_id, labels, count(*) AS live,
+               count(*) FILTER (WHERE busy) AS busy,
+               count(*) FILTER (WHERE paused) AS paused,
+               count(*) FILTER (WHERE paused AND NOT busy) AS paused_idle
+        FROM live_runners
+        GROUP BY workspace_id, labels
+    ), live_templates AS (
+        SELECT w.workspace_id, t.labels
+        FROM spaces w
+        JOIN provisioner_tokens p ON p.workspace_id = w.workspace_id OR p.workspace_id IS NULL
+        JOIN provisioner_templates t ON t.provisioner_id = p.id
+        JOIN provisioner_sessions ps ON ps.provisioner_id = p.id
+        WHERE p.revoked_at IS NULL AND (p.expires_at IS NULL OR p.expires_at > now())
+          AND ps.last_seen_at > now() - $2::interval
+    ), offers AS (
+        SELECT workspace_id, array_agg(DISTINCT label) AS offered
+        FROM (SELECT workspace_id, unnest(labels) AS label FROM runner_sets
+              UNION SELECT workspace_id, unnest(labels) FROM live_templates) AS o
+        GROUP BY workspace_id
     )
+    SELECT g.workspace_id, g.required_labels, g.pending, g.oldest,
+           r.live, r.busy, r.paused, r.paused_idle, t.templates,
+           coalesce(o.offered, '{}') AS offered
+    FROM groups g
+    CROSS JOIN LATERAL (
+        SELECT coalesce(sum(rs.live), 0)::bigint AS live,
+               coalesce(sum(rs.busy), 0)::bigint AS busy,
+               coalesce(sum(rs.paused), 0)::bigint AS paused,
+               coalesce(sum(rs.paused_idle), 0)::bigint AS paused_idle
+        FROM runner_sets rs
+        WHERE rs.workspace_id = g.workspace_id AND rs.labels @> g.required_labels
+    ) r
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS templates FROM live_templates lt
+        WHERE lt.workspace_id = g.workspace_id AND lt.labels @> g.required_labels
+    ) t
+    LEFT JOIN offers o ON o.workspace_id = g.workspace_id
+    ORDER BY g.oldest, g.workspace_id
+"""
+
+
+async def pending_groups(conn: Conn, window: timedelta, limit: int = 1000) -> list[PendingGroup]:
+    """Each (workspace, label set) with pending executions, oldest first, with its takers (as
+    `takers` answers for one label set). One statement, reads only."""
+    rows = await conn.fetch(_GROUPS, limit, window)
     return [
         PendingGroup(
             workspace_id=row["workspace_id"],
             required_labels=tuple(row["required_labels"]),
             pending=row["pending"],
             oldest_enqueued_at=row["oldest"],
-            takers=await takers(conn, row["workspace_id"], row["required_labels"], window),
+            takers=Takers(
+                row["live"],
+                row["busy"],
+                row["templates"],
+                frozenset(row["offered"]),
+                paused_runners=row["paused"],
+                paused_idle=row["paused_idle"],
+            ),
         )
         for row in rows
     ]

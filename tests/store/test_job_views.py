@@ -1,0 +1,97 @@
+"""Pending groups against a real PostgreSQL: the one statement that reads every group's takers
+answers, group by group, exactly what `takers` answers for that label set alone."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+from controlplane.domain.demand import Template
+from controlplane.domain.pauses import Operator, PauseKind
+from controlplane.store import (
+    claiming,
+    demand_inputs,
+    job_views,
+    pauses,
+    provisioner_sessions,
+    queue,
+)
+from controlplane.store.pool import Conn
+from tests import provisioning as rows
+from tests.factories import capped_session, manual_session, new_job
+
+WINDOW = timedelta(minutes=5)
+
+
+async def _template(
+    conn: Conn, workspace: uuid.UUID | None, labels: tuple[str, ...], *, live: bool
+) -> None:
+    made = await rows.provisioner(conn, workspace)
+    await demand_inputs.replace_templates(
+        conn, made.id, workspace, [Template(key="t", labels=labels, available_slots=1)]
+    )
+    if live:
+        assert await provisioner_sessions.take_over(conn, made.id, uuid.uuid4()) is not None
+
+
+async def test_every_group_reads_the_takers_its_label_set_alone_reads(conn: Conn) -> None:
+    a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    # Workspace a: two x64 runners, one busy and one paused, one plain linux runner paused and
+    # idle, and an ephemeral runner with no claims left (not a taker).
+    busy = await manual_session(conn, a, ("linux", "x64"))
+    await queue.enqueue(conn, [new_job(a, ["linux", "x64"])])
+    assert await claiming.claim(conn, busy) is not None
+    await pauses.change(
+        conn,
+        PauseKind.RUNNER,
+        busy.runner_session_id,
+        paused=True,
+        operator=Operator(uuid.uuid4(), "ops"),
+        reason=None,
+    )
+    await manual_session(conn, a, ("linux", "x64"))
+    idle_paused = await manual_session(conn, a, ("linux",))
+    await pauses.change(
+        conn,
+        PauseKind.RUNNER,
+        idle_paused.runner_session_id,
+        paused=True,
+        operator=Operator(uuid.uuid4(), "ops"),
+        reason=None,
+    )
+    spent = await capped_session(conn, a, ("linux", "spent"))
+    await queue.enqueue(conn, [new_job(a, ["linux", "spent"])])
+    assert await claiming.claim(conn, spent) is not None
+    # Workspace b: only a workspace template; everyone: an installation template; a template of
+    # a provisioner with no live session counts nowhere.
+    await _template(conn, b, ("linux", "gpu"), live=True)
+    await _template(conn, None, ("arm", "linux"), live=True)
+    await _template(conn, a, ("linux", "x64"), live=False)
+    for space, labels in [
+        (a, ["linux"]),
+        (a, ["linux", "x64"]),
+        (a, ["linux", "spent"]),
+        (a, ["arm"]),
+        (b, ["gpu", "linux"]),
+        (b, ["linux", "x64"]),
+        (c, ["linux"]),
+    ]:
+        await queue.enqueue(conn, [new_job(space, labels), new_job(space, labels)])
+
+    groups = await job_views.pending_groups(conn, WINDOW)
+
+    assert len(groups) == 7
+    for group in groups:
+        alone = await job_views.takers(conn, group.workspace_id, group.required_labels, WINDOW)
+        assert group.takers == alone, (group.workspace_id, group.required_labels)
+        assert group.pending == 2
+    by = {(g.workspace_id, g.required_labels): g.takers for g in groups}
+    # The scenario reaches every count, so equality above compares something.
+    x64 = by[(a, ("linux", "x64"))]
+    assert (x64.live_runners, x64.busy_runners, x64.paused_runners, x64.paused_idle) == (2, 1, 1, 0)
+    plain = by[(a, ("linux",))]
+    assert (plain.live_runners, plain.paused_idle, plain.templates) == (3, 1, 1)
+    assert by[(a, ("linux", "spent"))].live_runners == 0
+    assert by[(b, ("gpu", "linux"))].templates == 1
+    assert by[(b, ("gpu", "linux"))].offered == {"arm", "gpu", "linux"}
+    assert by[(c, ("linux",))].offered == {"arm", "linux"}
