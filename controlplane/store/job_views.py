@@ -218,13 +218,8 @@ _TAKERS = """
 """
 
 
-async def takers(
-    conn: Conn, workspace_id: UUID, labels: Sequence[str], window: timedelta
-) -> Takers:
-    """Who could take jobs of `labels` in the workspace: runners seen within `window` with claims
-    left, and templates of provisioners whose session was seen within it."""
-    row = await conn.fetchrow(_TAKERS, workspace_id, list(labels), window)
-    assert row is not None
+def _takers(row: asyncpg.Record) -> Takers:
+    """A takers row of `_TAKERS` or `_GROUPS` (the same column names)."""
     return Takers(
         row["live"],
         row["busy"],
@@ -233,6 +228,16 @@ async def takers(
         paused_runners=row["paused"],
         paused_idle=row["paused_idle"],
     )
+
+
+async def takers(
+    conn: Conn, workspace_id: UUID, labels: Sequence[str], window: timedelta
+) -> Takers:
+    """Who could take jobs of `labels` in the workspace: runners seen within `window` with claims
+    left, and templates of provisioners whose session was seen within it."""
+    row = await conn.fetchrow(_TAKERS, workspace_id, list(labels), window)
+    assert row is not None
+    return _takers(row)
 
 
 # Where a pending execution ($1) stands (domain/waiting.py QueuePlace). The jobs ahead of it are
@@ -367,14 +372,7 @@ async def pending_groups(conn: Conn, window: timedelta, limit: int = 1000) -> li
             required_labels=tuple(row["required_labels"]),
             pending=row["pending"],
             oldest_enqueued_at=row["oldest"],
-            takers=Takers(
-                row["live"],
-                row["busy"],
-                row["templates"],
-                frozenset(row["offered"]),
-                paused_runners=row["paused"],
-                paused_idle=row["paused_idle"],
-            ),
+            takers=_takers(row),
         )
         for row in rows
     ]

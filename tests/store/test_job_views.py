@@ -36,6 +36,13 @@ async def _template(
         assert await provisioner_sessions.take_over(conn, made.id, uuid.uuid4()) is not None
 
 
+async def _pause(conn: Conn, runner_session_id: uuid.UUID) -> None:
+    operator = Operator(uuid.uuid4(), "ops")
+    await pauses.change(
+        conn, PauseKind.RUNNER, runner_session_id, paused=True, operator=operator, reason=None
+    )
+
+
 async def test_every_group_reads_the_takers_its_label_set_alone_reads(conn: Conn) -> None:
     a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
     # Workspace a: two x64 runners, one busy and one paused, one plain linux runner paused and
@@ -43,24 +50,10 @@ async def test_every_group_reads_the_takers_its_label_set_alone_reads(conn: Conn
     busy = await manual_session(conn, a, ("linux", "x64"))
     await queue.enqueue(conn, [new_job(a, ["linux", "x64"])])
     assert await claiming.claim(conn, busy) is not None
-    await pauses.change(
-        conn,
-        PauseKind.RUNNER,
-        busy.runner_session_id,
-        paused=True,
-        operator=Operator(uuid.uuid4(), "ops"),
-        reason=None,
-    )
+    await _pause(conn, busy.runner_session_id)
     await manual_session(conn, a, ("linux", "x64"))
     idle_paused = await manual_session(conn, a, ("linux",))
-    await pauses.change(
-        conn,
-        PauseKind.RUNNER,
-        idle_paused.runner_session_id,
-        paused=True,
-        operator=Operator(uuid.uuid4(), "ops"),
-        reason=None,
-    )
+    await _pause(conn, idle_paused.runner_session_id)
     spent = await capped_session(conn, a, ("linux", "spent"))
     await queue.enqueue(conn, [new_job(a, ["linux", "spent"])])
     assert await claiming.claim(conn, spent) is not None
