@@ -88,6 +88,64 @@ def _view(row: asyncpg.Record, *, with_tail: bool) -> JobView:
     )
 
 
+# The list reads each table on its own: filtered, newest first, and cut to a page before the
+# three are merged. The tombstone check runs on a table's rows in that order only until its page
+# is full (a probe per listed row, not per pending row), and the sort carries no payload: at
+# 10,000 pending the check and the wide sort were most of the read (bench/notes.md, pages).
+def _newest(columns: str, table: str, changed: str, status: str) -> str:
+    """One table's page: `columns` of `table` aliased x, newest `changed` first; the labels
+    filter matches nothing in the tombstones (they keep no labels)."""
+    labels = "false" if status == "ended" else "x.required_labels @> $3"
+    live = "" if status == "ended" else _LIVE
+    return f"""(
+        SELECT * FROM (
+            SELECT {columns} FROM {table} x
+            WHERE ($2::text IS NULL OR $2 = '{status}')
+              AND ($1::uuid IS NULL OR x.workspace_id = $1)
+              AND ($3::text[] IS NULL OR {labels})
+              AND ($4::timestamptz IS NULL OR (x.{changed}, x.job_execution_id) < ($4, $5::uuid))
+            ORDER BY x.{changed} DESC, x.job_execution_id DESC
+        ) AS j
+        {live}
+        ORDER BY j.changed_at DESC, j.job_execution_id DESC
+        LIMIT $6
+    )"""  # noqa: S608 -- interpolates constants only
+
+
+_LIVE = """WHERE NOT EXISTS (SELECT 1 FROM ended_executions e
+                             WHERE e.job_execution_id = j.job_execution_id)"""
+_PENDING = """
+    'pending' AS status, x.job_execution_id, x.workspace_id, x.job_id, x.required_labels,
+    x.enqueued_at, NULL::timestamptz AS started_at, NULL::timestamptz AS ended_at,
+    x.enqueued_at AS changed_at, NULL::uuid AS runner_session_id, false AS cancel_requested,
+    NULL::text AS outcome, NULL::text AS ended_by, NULL::integer AS exit_code,
+    NULL::text AS output_tail
+"""
+_RUNNING = """
+    'running' AS status, x.job_execution_id, x.workspace_id, x.job_id, x.required_labels,
+    NULL::timestamptz AS enqueued_at, x.started_at, NULL::timestamptz AS ended_at,
+    x.started_at AS changed_at, x.runner_session_id,
+    x.cancellation_requested_at IS NOT NULL AS cancel_requested, NULL::text AS outcome,
+    NULL::text AS ended_by, NULL::integer AS exit_code, NULL::text AS output_tail
+"""
+_ENDED = """
+    'ended' AS status, x.job_execution_id, x.workspace_id, x.job_id,
+    NULL::text[] AS required_labels, NULL::timestamptz AS enqueued_at,
+    NULL::timestamptz AS started_at, x.ended_at, x.ended_at AS changed_at,
+    NULL::uuid AS runner_session_id, false AS cancel_requested, x.outcome, x.ended_by,
+    x.exit_code, NULL::text AS output_tail
+"""
+_LIST = (
+    "SELECT * FROM ("  # noqa: S608 -- interpolates constants only
+    + _newest(_PENDING, "pending_jobs", "enqueued_at", "pending")
+    + " UNION ALL "
+    + _newest(_RUNNING, "running_jobs", "started_at", "running")
+    + " UNION ALL "
+    + _newest(_ENDED, "ended_executions", "ended_at", "ended")
+    + ") AS j ORDER BY j.changed_at DESC, j.job_execution_id DESC LIMIT $6"
+)
+
+
 async def list_jobs(
     conn: Conn,
     *,
@@ -98,17 +156,10 @@ async def list_jobs(
     limit: int,
 ) -> list[JobView]:
     """Newest change first (enqueued, started or ended), then execution id; a page strictly
-    before `before`. Labels match executions that require all of them."""
+    before `before`. Labels match executions that require all of them (so no ended one). The
+    rows of `_ALL` in its order, read per table (above)."""
     rows = await conn.fetch(
-        f"""
-        SELECT * FROM ({_ALL}) AS j
-        WHERE ($1::uuid IS NULL OR j.workspace_id = $1)
-          AND ($2::text IS NULL OR j.status = $2)
-          AND ($3::text[] IS NULL OR j.required_labels @> $3)
-          AND ($4::timestamptz IS NULL OR (j.changed_at, j.job_execution_id) < ($4, $5::uuid))
-        ORDER BY j.changed_at DESC, j.job_execution_id DESC
-        LIMIT $6
-        """,  # noqa: S608 -- interpolates constants only: _ALL
+        _LIST,
         workspace_id,
         status,
         None if labels is None else list(labels),
@@ -167,13 +218,8 @@ _TAKERS = """
 """
 
 
-async def takers(
-    conn: Conn, workspace_id: UUID, labels: Sequence[str], window: timedelta
-) -> Takers:
-    """Who could take jobs of `labels` in the workspace: runners seen within `window` with claims
-    left, and templates of provisioners whose session was seen within it."""
-    row = await conn.fetchrow(_TAKERS, workspace_id, list(labels), window)
-    assert row is not None
+def _takers(row: asyncpg.Record) -> Takers:
+    """A takers row of `_TAKERS` or `_GROUPS` (the same column names)."""
     return Takers(
         row["live"],
         row["busy"],
@@ -182,6 +228,16 @@ async def takers(
         paused_runners=row["paused"],
         paused_idle=row["paused_idle"],
     )
+
+
+async def takers(
+    conn: Conn, workspace_id: UUID, labels: Sequence[str], window: timedelta
+) -> Takers:
+    """Who could take jobs of `labels` in the workspace: runners seen within `window` with claims
+    left, and templates of provisioners whose session was seen within it."""
+    row = await conn.fetchrow(_TAKERS, workspace_id, list(labels), window)
+    assert row is not None
+    return _takers(row)
 
 
 # Where a pending execution ($1) stands (domain/waiting.py QueuePlace). The jobs ahead of it are
@@ -239,10 +295,12 @@ async def queue_place(conn: Conn, job_execution_id: UUID) -> QueuePlace | None:
     )
 
 
-async def pending_groups(conn: Conn, window: timedelta, limit: int = 1000) -> list[PendingGroup]:
-    """Each (workspace, label set) with pending executions, oldest first, with its takers."""
-    rows = await conn.fetch(
-        """
+# Every pending (workspace, label set) with its takers, in one statement: the runners and
+# templates of the groups' workspaces are read once and counted per label set (the takers read
+# above, for all groups at once). Runners are first folded to (workspace, labels) with counts,
+# so each group compares against distinct label sets rather than every session.
+_GROUPS = """
+    WITH groups AS (
         SELECT workspace_id, required_labels, count(*) AS pending,
                min(enqueued_at) AS oldest
         FROM pending_jobs p
@@ -251,16 +309,70 @@ async def pending_groups(conn: Conn, window: timedelta, limit: int = 1000) -> li
         GROUP BY workspace_id, required_labels
         ORDER BY oldest, workspace_id
         LIMIT $1
-        """,
-        limit,
+    ), spaces AS (
+        SELECT DISTINCT workspace_id FROM groups
+    ), live_runners AS (
+        SELECT s.workspace_id, s.labels,
+               EXISTS (SELECT 1 FROM running_jobs r WHERE r.runner_session_id = s.id) AS busy,
+               EXISTS (SELECT 1 FROM paused_runners pr WHERE pr.runner_session_id = s.id)
+                   AS paused
+        FROM runner_sessions s
+        WHERE s.workspace_id IN (SELECT workspace_id FROM spaces) AND s.revoked_at IS NULL
+          AND s.updated_at > now() - $2::interval
+          AND (s.max_claims IS NULL OR s.claims_used < s.max_claims)
+    ), runner_sets AS (
+        SELECT workspace_id, labels, count(*) AS live,
+               count(*) FILTER (WHERE busy) AS busy,
+               count(*) FILTER (WHERE paused) AS paused,
+               count(*) FILTER (WHERE paused AND NOT busy) AS paused_idle
+        FROM live_runners
+        GROUP BY workspace_id, labels
+    ), live_templates AS (
+        SELECT w.workspace_id, t.labels
+        FROM spaces w
+        JOIN provisioner_tokens p ON p.workspace_id = w.workspace_id OR p.workspace_id IS NULL
+        JOIN provisioner_templates t ON t.provisioner_id = p.id
+        JOIN provisioner_sessions ps ON ps.provisioner_id = p.id
+        WHERE p.revoked_at IS NULL AND (p.expires_at IS NULL OR p.expires_at > now())
+          AND ps.last_seen_at > now() - $2::interval
+    ), offers AS (
+        SELECT workspace_id, array_agg(DISTINCT label) AS offered
+        FROM (SELECT workspace_id, unnest(labels) AS label FROM runner_sets
+              UNION SELECT workspace_id, unnest(labels) FROM live_templates) AS o
+        GROUP BY workspace_id
     )
+    SELECT g.workspace_id, g.required_labels, g.pending, g.oldest,
+           r.live, r.busy, r.paused, r.paused_idle, t.templates,
+           coalesce(o.offered, '{}') AS offered
+    FROM groups g
+    CROSS JOIN LATERAL (
+        SELECT coalesce(sum(rs.live), 0)::bigint AS live,
+               coalesce(sum(rs.busy), 0)::bigint AS busy,
+               coalesce(sum(rs.paused), 0)::bigint AS paused,
+               coalesce(sum(rs.paused_idle), 0)::bigint AS paused_idle
+        FROM runner_sets rs
+        WHERE rs.workspace_id = g.workspace_id AND rs.labels @> g.required_labels
+    ) r
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS templates FROM live_templates lt
+        WHERE lt.workspace_id = g.workspace_id AND lt.labels @> g.required_labels
+    ) t
+    LEFT JOIN offers o ON o.workspace_id = g.workspace_id
+    ORDER BY g.oldest, g.workspace_id
+"""
+
+
+async def pending_groups(conn: Conn, window: timedelta, limit: int = 1000) -> list[PendingGroup]:
+    """Each (workspace, label set) with pending executions, oldest first, with its takers (as
+    `takers` answers for one label set). One statement, reads only."""
+    rows = await conn.fetch(_GROUPS, limit, window)
     return [
         PendingGroup(
             workspace_id=row["workspace_id"],
             required_labels=tuple(row["required_labels"]),
             pending=row["pending"],
             oldest_enqueued_at=row["oldest"],
-            takers=await takers(conn, row["workspace_id"], row["required_labels"], window),
+            takers=_takers(row),
         )
         for row in rows
     ]
