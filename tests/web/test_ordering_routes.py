@@ -12,7 +12,8 @@ import anyio
 import asyncpg
 import pytest
 
-from tests.web.conftest import Api, open_api, run_daemon, test_settings
+from tests.web.conftest import Api, open_api, run_daemon
+from tests.web.conftest import test_settings as settings_for_tests
 from tests.web.test_runner_routes import complete, error_code
 
 
@@ -77,7 +78,7 @@ async def test_q08_bad_ordering_fields_are_400_and_enqueue_nothing(
 async def test_q08_narrowed_settings_refuse_with_their_own_codes(
     database_url: str, db: asyncpg.Connection
 ) -> None:
-    config = test_settings(
+    config = settings_for_tests(
         queue__priority_min=-5, queue__priority_max=5, queue__max_concurrency_limit=3
     )
     async for daemon in run_daemon(database_url, config):
@@ -125,7 +126,7 @@ async def test_q21_a_parked_runner_is_woken_when_a_keyed_lease_completes(
 ) -> None:
     # The dispatcher's safety tick is ten minutes here: only the release's wake-up can serve
     # the parked runner within the test's deadline.
-    config = test_settings(maintenance__dispatch_safety_tick_seconds=600)
+    config = settings_for_tests(maintenance__dispatch_safety_tick_seconds=600)
     async for daemon in run_daemon(database_url, config):
         async with open_api(daemon, database_url) as api:
             await _woken_by_a_release(api)
