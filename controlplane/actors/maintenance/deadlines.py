@@ -17,6 +17,7 @@ from typing import Protocol
 import asyncpg
 
 from controlplane import metrics
+from controlplane.actors.maintenance.job import until_short
 from controlplane.domain.jobs import EndedLease
 from controlplane.store import deadlines, runner_release
 
@@ -63,25 +64,24 @@ class Deadlines:
     async def run_once(self) -> tuple[int, int]:
         """Time out leases, then expire queued executions, each until a batch is short; return
         how many of each."""
-        timed_out = 0
-        while True:
-            ended, released = await self._store.time_out(self._grace, self._limit)
-            if released:
-                metrics.units_released.labels("maintenance").inc(released)
-            # A lease whose execution was cancelled while it drained ends as `cancelled`.
-            newly = sum(1 for lease in ended if lease.newly_ended)
-            if newly:
-                metrics.jobs_timed_out.inc(newly)
-                log.info("maintenance.leases_timed_out", extra={"count": newly})
-            timed_out += newly
-            if len(ended) < self._limit:
-                break
-        expired = 0
-        while True:
-            count = await self._store.expire_queued(self._limit)
-            if count:
-                metrics.jobs_queue_expired.inc(count)
-                log.info("maintenance.queue_expired", extra={"count": count})
-            expired += count
-            if count < self._limit:
-                return timed_out, expired
+        timed_out = await until_short(self._time_out, self._limit)
+        expired = await until_short(self._expire, self._limit)
+        return timed_out, expired
+
+    async def _time_out(self) -> tuple[int, int]:
+        ended, released = await self._store.time_out(self._grace, self._limit)
+        if released:
+            metrics.units_released.labels("maintenance").inc(released)
+        # A lease whose execution was cancelled while it drained ends as `cancelled`.
+        newly = sum(1 for lease in ended if lease.newly_ended)
+        if newly:
+            metrics.jobs_timed_out.inc(newly)
+            log.info("maintenance.leases_timed_out", extra={"count": newly})
+        return len(ended), newly
+
+    async def _expire(self) -> tuple[int, int]:
+        count = await self._store.expire_queued(self._limit)
+        if count:
+            metrics.jobs_queue_expired.inc(count)
+            log.info("maintenance.queue_expired", extra={"count": count})
+        return count, count

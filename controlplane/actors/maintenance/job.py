@@ -24,6 +24,18 @@ class Job(Protocol):
         ...
 
 
+async def until_short(batch: Callable[[], Awaitable[tuple[int, int]]], limit: int) -> int:
+    """Run `batch` until one comes back short: each call returns how many rows it took (a full
+    batch, `limit`, means more may be waiting) and how many of them to count; return the sum of
+    the counts."""
+    total = 0
+    while True:
+        taken, counted = await batch()
+        total += counted
+        if taken < limit:
+            return total
+
+
 async def every(job: Job, stop: anyio.Event) -> None:
     """Run `job` now and then `interval` after each round ends, until `stop` is set: at once if
     it is waiting for its next round, else when the round in flight ends."""

@@ -15,6 +15,7 @@ from typing import Protocol
 import asyncpg
 
 from controlplane import metrics
+from controlplane.actors.maintenance.job import until_short
 from controlplane.domain.jobs import EndedLease, StaleRule
 from controlplane.store import leases, runner_release
 
@@ -50,18 +51,17 @@ class LeaseReaper:
 
     async def run_once(self) -> int:
         """Expire stale leases until a batch finds fewer than the limit; return how many."""
-        total = 0
-        while True:
-            expired, released = await self._store.reap(self._rule, self._limit)
-            if released:
-                metrics.units_released.labels("maintenance").inc(released)
-            retried = sum(1 for lease in expired if lease.retried)
-            if retried:
-                metrics.jobs_retried.inc(retried)
-                log.info("maintenance.leases_retried", extra={"count": retried})
-            if len(expired) > retried:
-                metrics.leases_expired.inc(len(expired) - retried)
-                log.info("maintenance.leases_expired", extra={"count": len(expired) - retried})
-            total += len(expired)
-            if len(expired) < self._limit:
-                return total
+        return await until_short(self._batch, self._limit)
+
+    async def _batch(self) -> tuple[int, int]:
+        expired, released = await self._store.reap(self._rule, self._limit)
+        if released:
+            metrics.units_released.labels("maintenance").inc(released)
+        retried = sum(1 for lease in expired if lease.retried)
+        if retried:
+            metrics.jobs_retried.inc(retried)
+            log.info("maintenance.leases_retried", extra={"count": retried})
+        if len(expired) > retried:
+            metrics.leases_expired.inc(len(expired) - retried)
+            log.info("maintenance.leases_expired", extra={"count": len(expired) - retried})
+        return len(expired), len(expired)
