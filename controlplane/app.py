@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from uuid import UUID
@@ -38,12 +38,12 @@ from controlplane.actors.maintenance.provisioning import PoolUpkeepStore, Provis
 from controlplane.actors.maintenance.reaper import LeaseReaper, PoolReaperStore
 from controlplane.actors.maintenance.retention import PoolRetentionStore, Retention
 from controlplane.actors.maintenance.sessions import PoolSessionStore, SessionCleanup
-from controlplane.actors.provisioning import DemandBoard
+from controlplane.actors.provisioning import DemandBoard, DemandSweep
 from controlplane.domain import pauses
 from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.settings import Settings
-from controlplane.store import claiming, migrations, queue, reservations
+from controlplane.store import claiming, demand_sweep, migrations, queue, reservations
 from controlplane.store.credentials import KeyRing
 from controlplane.store.embedded import EmbeddedPostgres
 from controlplane.store.events import EVENTS_CHANNEL
@@ -88,6 +88,23 @@ class PoolClaims:
             done = await queue.put_back(conn, job_execution_id, runner_session_id)
         metrics.put_backs.inc()
         return done
+
+
+class PoolSweep:
+    """The demand sweep's view of the store: one statement on a pooled connection."""
+
+    def __init__(self, pool: asyncpg.Pool, activation_timeout: timedelta, pending_cap: int) -> None:
+        self._pool = pool
+        self._timeout = activation_timeout
+        self._cap = pending_cap
+
+    async def figures(
+        self, sessions: Sequence[demand_sweep.SweptSession]
+    ) -> list[demand_sweep.Figures]:
+        async with borrow(self._pool) as conn:
+            return await demand_sweep.sweep_figures(
+                conn, sessions, activation_timeout=self._timeout, pending_cap=self._cap
+            )
 
 
 def pool_settings(settings: Settings, url: str) -> PoolSettings:
@@ -276,6 +293,16 @@ class Daemon:
             held_per_key=settings.events.held_reads_per_key,
         )
         demand = DemandBoard()
+        knobs = settings.provisioners
+        sweep = DemandSweep(
+            demand,
+            PoolSweep(
+                pool,
+                timedelta(seconds=knobs.demand_activation_timeout_seconds),
+                knobs.demand_sweep_pending_cap,
+            ),
+            tick_seconds=knobs.demand_safety_tick_seconds,
+        )
         control = ControlSessions()
         assignments = AssignmentBoard()
         pulse = Pulse()
@@ -395,6 +422,7 @@ class Daemon:
             await root.start(dispatcher.run)
             await root.start(feed.run)
             await root.start(history.run)
+            await root.start(sweep.run)
             root.start_soon(maintenance.run)
             log.info("server.listening", extra={"address": self.address})
             if on_ready is not None:
