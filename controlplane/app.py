@@ -28,7 +28,7 @@ import asyncpg
 from controlplane import metrics
 from controlplane.actors.assignments import AssignmentBoard
 from controlplane.actors.cancels import CancelBoard
-from controlplane.actors.control import ControlSessions
+from controlplane.actors.control import ControlSessions, LastSeen
 from controlplane.actors.dispatch import Dispatcher
 from controlplane.actors.feed import FeedWatch
 from controlplane.actors.listener import Listener
@@ -42,8 +42,16 @@ from controlplane.actors.provisioning import DemandBoard, DemandSweep
 from controlplane.domain import pauses
 from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
 from controlplane.domain.labels import LabelSet, canonicalise
+from controlplane.domain.provisioners import Fence
 from controlplane.settings import Settings
-from controlplane.store import claiming, demand_sweep, migrations, queue, reservations
+from controlplane.store import (
+    claiming,
+    demand_sweep,
+    migrations,
+    provisioner_sessions,
+    queue,
+    reservations,
+)
 from controlplane.store.credentials import KeyRing
 from controlplane.store.embedded import EmbeddedPostgres
 from controlplane.store.events import EVENTS_CHANNEL
@@ -105,6 +113,22 @@ class PoolSweep:
             return await demand_sweep.sweep_figures(
                 conn, sessions, activation_timeout=self._timeout, pending_cap=self._cap
             )
+
+
+class PoolSeen:
+    """`LastSeen`'s view of the store: the batch stamp, and one session's fence alone."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def stamp(self, sessions: Sequence[tuple[UUID, int]]) -> set[tuple[UUID, int]]:
+        async with borrow(self._pool) as conn:
+            return await provisioner_sessions.stamp_seen(conn, sessions)
+
+    async def current(self, provisioner_id: UUID, generation: int) -> bool:
+        async with borrow(self._pool) as conn:
+            verdict = await provisioner_sessions.fence(conn, provisioner_id, generation)
+        return verdict is Fence.CURRENT
 
 
 def pool_settings(settings: Settings, url: str) -> PoolSettings:
@@ -304,6 +328,7 @@ class Daemon:
             tick_seconds=knobs.demand_safety_tick_seconds,
         )
         control = ControlSessions()
+        last_seen = LastSeen(control, PoolSeen(pool), every=knobs.session_seen_batch_seconds)
         assignments = AssignmentBoard()
         pulse = Pulse()
         history = QueueHistory(
@@ -423,6 +448,7 @@ class Daemon:
             await root.start(feed.run)
             await root.start(history.run)
             await root.start(sweep.run)
+            await root.start(last_seen.run)
             root.start_soon(maintenance.run)
             log.info("server.listening", extra={"address": self.address})
             if on_ready is not None:

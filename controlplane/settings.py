@@ -113,6 +113,8 @@ class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     last_seen_throttle_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 10
+    # The replica stamps the last-seen of its pinged control sessions in one statement this often.
+    session_seen_batch_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=3600)] = 10.0
     installation_enabled: bool = True
     # An installation provisioner's walk gives each workspace at most an even share of its slots
     # (issue 14's fair share) instead of serving the oldest demand first with all of them.

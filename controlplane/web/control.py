@@ -307,6 +307,8 @@ class _Conversation:
         session's fencing row; a refused request changes nothing and leaves the session open.
         A fenced session (`Fenced`) or an unavailable database ends it instead."""
         assert self.actor is not None
+        if isinstance(message, wire.Ping) and self.local is not None:
+            self.local.seen = True  # stamped with the replica's next batch (actors/control.py)
         try:
             answer = await handlers.handle(self.actor, message)
         except ControlPlaneError as error:

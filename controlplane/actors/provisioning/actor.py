@@ -170,7 +170,8 @@ class ProvisionerActor:
     # --- requests ------------------------------------------------------------------------------
 
     async def ping(self) -> None:
-        """Stamp the session's last-seen; raises Fenced when it lost its generation."""
+        """Stamp the session's last-seen; raises Fenced when it lost its generation (asked when
+        a session was superseded, for its close code; a wire `ping` is batched instead)."""
         await self.store.ping()
 
     async def outstanding(self) -> list[Grant]:
