@@ -6,8 +6,9 @@ A round is due when its inputs changed: demand in the workspace (an enqueue NOTI
 claim, a queue deadline passing or a concurrency key's admission do not), the workspace's live
 reservations (a claim releases a unit; any provisioner's reservation expires), the session's own
 live reservations and runners (an enrollment, an activation, a job starting on one of them: the
-warm pool's supply), the workspace provisioner's terminate candidates (an activation timeout
-falling due), an installation provisioner's eligibility (changed through another replica) and
+warm pool's supply; only runners with a provider identity: the others change only through the
+session's own requests), the workspace provisioner's activation timeouts (one falling due;
+a cancelled job's runner has its own NOTIFY), an installation provisioner's eligibility (changed through another replica) and
 the installation's live reservations. The sweep compares each session's figures with the ones
 it read at its previous tick and wakes only the sessions whose figures moved, so a session
 whose state stays put costs nothing, whatever that state is (even demand it cannot serve).
@@ -74,9 +75,10 @@ SELECT s.ord,
                           AND cs.closed_at IS NULL AND cs.expires_at > now()))
                   )::text
           FROM runner_instances ri
-         WHERE ri.provisioner_id = s.provisioner_id AND ri.state IN {ACTIVE_SQL}) AS runners,
-       (SELECT row(count(*) FILTER (WHERE t.timed_out), count(*) FILTER (WHERE t.cancelled))::text
-          FROM cp_terminate_candidates(s.workspace_id, s.provisioner_id, $3) AS t) AS candidates,
+         WHERE ri.provisioner_id = s.provisioner_id AND ri.provider_runner_id IS NOT NULL
+           AND ri.state IN {ACTIVE_SQL}) AS runners,
+       (SELECT count(*) FILTER (WHERE t.timed_out)
+          FROM cp_terminate_candidates(s.workspace_id, s.provisioner_id, $3) AS t) AS timed_out,
        CASE WHEN s.workspace_id IS NULL THEN
            row(g.n, g.units,
                (SELECT e.updated_at FROM provisioner_eligibility e
