@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import asyncpg
+import httpx
 from websockets.asyncio.client import connect
 
 from bench import harness
@@ -59,11 +60,37 @@ async def _session(address: str, token: str, ready: anyio.Event) -> None:
                 await ws.send(json.dumps({"type": "ping", "request_id": f"p{n}"}))
 
 
-async def _commits_over(conn: asyncpg.Connection, seconds: float) -> int:
-    before = await harness.database_counters(conn)
+# The replica's own account of the window, where its tree has these metrics.
+_SAMPLES = (
+    'controlplane_allocation_rounds_total{outcome="ok"}',
+    'controlplane_allocation_round_triggers_total{trigger="wake"}',
+    'controlplane_allocation_round_triggers_total{trigger="deadline"}',
+    'controlplane_allocation_round_triggers_total{trigger="fallback"}',
+    'controlplane_demand_sweeps_total{outcome="ok"}',
+    "controlplane_demand_sweep_woken_total",
+)
+
+
+async def _metrics(address: str) -> dict[str, float]:
+    async with httpx.AsyncClient(base_url=address, timeout=10) as client:
+        text = (await client.get("/metrics")).text
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in _SAMPLES:
+            found[name] = float(value)
+    return found
+
+
+async def _commits_over(
+    conn: asyncpg.Connection, address: str, seconds: float
+) -> tuple[int, dict[str, float]]:
+    """Commits over the window, and the replica's metrics' moves over it."""
+    before, seen = await harness.database_counters(conn), await _metrics(address)
     await anyio.sleep(seconds)
-    after = await harness.database_counters(conn)
-    return harness.counter_delta(before, after)["xact_commit"]
+    after, now = await harness.database_counters(conn), await _metrics(address)
+    moved = {name: now[name] - seen.get(name, 0.0) for name in now}
+    return harness.counter_delta(before, after)["xact_commit"], moved
 
 
 async def measure(
@@ -74,7 +101,7 @@ async def measure(
     replica = await start(url)
     try:
         await anyio.sleep(5)  # start-up work done
-        empty = await _commits_over(conn, window)
+        empty, _ = await _commits_over(conn, replica.address, window)
         tokens = []
         for i in range(count):
             _, raw = await provisioners.create(
@@ -88,7 +115,7 @@ async def measure(
                 with anyio.fail_after(30):
                     await ready.wait()
             await anyio.sleep(5)  # the advertisements' rounds done
-            busy = await _commits_over(conn, window)
+            busy, moved = await _commits_over(conn, replica.address, window)
             group.cancel_scope.cancel()
     finally:
         harness.stop_replicas([replica])
@@ -98,6 +125,7 @@ async def measure(
         "replica_alone_per_minute": round(empty / minutes, 1),
         "with_sessions_per_minute": round(busy / minutes, 1),
         "per_idle_session_per_minute": round((busy - empty) / minutes / count, 3),
+        "replica_metrics_per_minute": {k: round(v / minutes, 1) for k, v in moved.items()},
     }
 
 

@@ -8,13 +8,18 @@ reservations (a claim releases a unit; any provisioner's reservation expires), t
 live reservations and runners (an enrollment, an activation, a job starting on one of them: the
 warm pool's supply; only runners with a provider identity: the others change only through the
 session's own requests), the workspace provisioner's activation timeouts (one falling due;
-a cancelled job's runner has its own NOTIFY), an installation provisioner's eligibility (changed through another replica) and
-the installation's live reservations. The sweep compares each session's figures with the ones
-it read at its previous tick and wakes only the sessions whose figures moved, so a session
-whose state stays put costs nothing, whatever that state is (even demand it cannot serve).
+a cancelled job's runner has its own NOTIFY), an installation provisioner's eligibility
+(changed through another replica) and the installation's live reservations. The sweep
+compares each session's figures with the ones it read at its previous tick and wakes only the
+sessions whose figures moved, so a session whose state stays put costs nothing, whatever that
+state is (even demand it cannot serve).
 
-Locks: none. One read-only statement for all the replica's sessions, no transaction of its
-own; it holds nothing any other transaction waits for.
+An installation session's figures leave pending jobs out (that would be a scan of the whole
+queue every tick): demand reaches it by the enqueue NOTIFY, and a claim elsewhere changes its
+pushed figures at its next round.
+
+Locks: none. One read-only statement for all the replica's sessions (a transaction of its
+own, as every statement is); it holds nothing any other transaction waits for.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ On trio's mock clock with the fake store of test_provisioning.py."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 from uuid import UUID
@@ -27,6 +28,7 @@ FULL = 600.0  # the slow full round, far from every deadline below
 LIMITS_IDLE = replace(LIMITS, full_round_seconds=FULL)
 TTL = LIMITS.reservation_ttl_seconds  # an advertisement naming no lifetime gets this one
 SWEEP = 2.0
+Pushes = MemoryObjectReceiveStream[DemandPush]
 
 
 @pytest.fixture
@@ -100,7 +102,9 @@ async def test_an_idle_actor_makes_no_store_call_until_its_full_round(scope: str
         group.cancel_scope.cancel()
 
 
-async def test_a_grant_expiry_wakes_the_actor_at_the_deadline() -> None:
+@asynccontextmanager
+async def _granted() -> AsyncIterator[tuple[CountingStore, ProvisionerActor, Pushes, DemandPush]]:
+    """A running workspace actor whose advertisement granted one unit for one queued job."""
     workspace = uuid.uuid4()
     store = CountingStore(workspace)
     store.queued[workspace] = 1
@@ -111,8 +115,15 @@ async def test_a_grant_expiry_wakes_the_actor_at_the_deadline() -> None:
         with anyio.fail_after(1):
             first = await pushes.receive()
         assert [g.count for g in first.grants] == [1]
+        yield store, actor, pushes, first
+        group.cancel_scope.cancel()
+
+
+async def test_a_grant_expiry_wakes_the_actor_at_the_deadline() -> None:
+    async with _granted() as (store, actor, pushes, _first):
         granted_at = anyio.current_time()  # just after the round that wrote the grant
-        store.reserved[workspace] = 0  # the grant expired unused: the job is demand again
+        assert actor.provisioner.workspace_id is not None
+        store.reserved[actor.provisioner.workspace_id] = 0  # expired unused: demand again
         with anyio.fail_after(TTL + 1):
             again = await pushes.receive()
         assert [g.count for g in again.grants] == [1]
@@ -120,19 +131,10 @@ async def test_a_grant_expiry_wakes_the_actor_at_the_deadline() -> None:
         assert store.started[-1] >= granted_at + TTL - 0.02
         assert store.started[-1] <= granted_at + TTL + 0.02
         assert len(store.started) == 2  # nothing in between
-        group.cancel_scope.cancel()
 
 
 async def test_an_instance_created_for_a_grant_wakes_the_actor_at_its_activation_timeout() -> None:
-    workspace = uuid.uuid4()
-    store = CountingStore(workspace)
-    store.queued[workspace] = 1
-    actor, pushes, _send = await _advertised(store, workspace)
-    async with anyio.create_task_group() as group:
-        group.start_soon(actor.run)
-        await actor.advertise([template()], 10, None)
-        with anyio.fail_after(1):
-            first = await pushes.receive()
+    async with _granted() as (store, actor, _pushes, first):
         await actor.create_instances("docker", [("small", first.grants[0].reservation_id)])
         created_at = anyio.current_time()
         timeout = LIMITS.activation_timeout.total_seconds()
@@ -141,6 +143,25 @@ async def test_an_instance_created_for_a_grant_wakes_the_actor_at_its_activation
         assert len(store.started) == 3
         assert abs(store.started[1] - (created_at + TTL)) < 0.05
         assert abs(store.started[2] - (created_at + timeout)) < 0.05
+
+
+async def test_a_deadline_set_while_the_actor_sleeps_cuts_the_sleep_short() -> None:
+    workspace = uuid.uuid4()
+    store = CountingStore(workspace)
+    actor, pushes, _send = await _advertised(store, workspace)
+    async with anyio.create_task_group() as group:
+        group.start_soon(actor.run)
+        await actor.advertise([template()], 10, None)
+        with anyio.fail_after(1):
+            await pushes.receive()
+        await anyio.sleep(1)  # asleep until its full round, FULL away
+        # An instance for a grant of an earlier session: its activation timeout is sooner.
+        await actor.create_instances("docker", [("small", uuid.uuid4())])
+        created_at = anyio.current_time()
+        timeout = LIMITS.activation_timeout.total_seconds()
+        await anyio.sleep(timeout + 1)
+        assert len(store.started) == 2
+        assert abs(store.started[1] - (created_at + timeout)) < 0.05
         group.cancel_scope.cancel()
 
 

@@ -146,7 +146,8 @@ class ProvisionerActor:
         self._clock = clock
         self._advertisement: Advertisement | None = None
         self._fresh_advertisement = False
-        self._wake = anyio.Event()
+        self._wake = anyio.Event()  # set by a wake-up, or by a new deadline (to re-plan)
+        self._woken = False  # a wake-up since the last round started
         self._seq = 0
         self._last_stats: list[WorkspaceDemand] | None = None
         self._last_terminate: list[str] = []
@@ -165,6 +166,7 @@ class ProvisionerActor:
         return self.scope is Scope.INSTALLATION or self.provisioner.workspace_id == workspace_id
 
     def wake(self) -> None:
+        self._woken = True
         self._wake.set()
 
     # --- requests ------------------------------------------------------------------------------
@@ -328,8 +330,9 @@ class ProvisionerActor:
 
     def _after(self, delay: timedelta) -> None:
         """A round is due `delay` from now (measured after the write that started the clock,
-        so never before the database's own deadline)."""
+        so never before the database's own deadline); a sleep in progress re-plans."""
         self._deadlines.append(anyio.current_time() + delay.total_seconds())
+        self._wake.set()
 
     def next_deadline(self) -> float | None:
         """The earliest monotonic time a known deadline (or a pushed warm launch's expiry)
@@ -340,19 +343,23 @@ class ProvisionerActor:
     async def _sleep(self) -> str:
         """Until woken, a deadline or the full-round interval; what ended the sleep."""
         fallback = anyio.current_time() + self.limits.full_round_seconds
-        due = self.next_deadline()
-        until = fallback if due is None else min(due, fallback)
-        with anyio.move_on_after(max(0.0, until - anyio.current_time())):
-            await self._wake.wait()
-            return "wake"
-        return "deadline" if due is not None and due < fallback else "fallback"
+        while True:
+            due = self.next_deadline()
+            until = fallback if due is None else min(due, fallback)
+            with anyio.move_on_after(max(0.0, until - anyio.current_time())):
+                await self._wake.wait()
+            if self._woken:
+                return "wake"
+            if not self._wake.is_set():
+                return "deadline" if due is not None and due < fallback else "fallback"
+            self._wake = anyio.Event()  # a deadline was added: plan again
 
     async def run(self) -> None:
         """Rounds until cancelled; raises Fenced when the session lost its generation."""
         with metrics.control_sessions.track_inprogress():
             while True:
                 trigger = await self._sleep()
-                self._wake = anyio.Event()
+                self._wake, self._woken = anyio.Event(), False
                 started = anyio.current_time()
                 # Deadlines passed by now are seen by the round that starts now.
                 self._deadlines = [d for d in self._deadlines if d > started]
