@@ -234,7 +234,7 @@ def _on_paused(dispatcher: Dispatcher, demand: DemandBoard) -> Callable[[str], N
             dispatcher.runner_paused(change.workspace_id, change.target_id, change.paused)
         elif change.kind is pauses.PauseKind.WORKSPACE:
             # A paused workspace's jobs are no demand (store/demand_inputs.py): either way its
-            # provisioners' rounds are due now, not at their safety tick.
+            # provisioners' rounds are due now, not at their next sweep or full round.
             demand.wake_workspace(change.target_id)
             if not change.paused:
                 dispatcher.wake(change.target_id, None)
