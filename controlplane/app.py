@@ -101,9 +101,16 @@ class PoolClaims:
 class PoolSweep:
     """The demand sweep's view of the store: one statement on a pooled connection."""
 
-    def __init__(self, pool: asyncpg.Pool, activation_timeout: timedelta, pending_cap: int) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        activation_timeout: timedelta,
+        covering_window: timedelta,
+        pending_cap: int,
+    ) -> None:
         self._pool = pool
         self._timeout = activation_timeout
+        self._window = covering_window
         self._cap = pending_cap
 
     async def figures(
@@ -111,7 +118,11 @@ class PoolSweep:
     ) -> list[demand_sweep.Figures]:
         async with borrow(self._pool) as conn:
             return await demand_sweep.sweep_figures(
-                conn, sessions, activation_timeout=self._timeout, pending_cap=self._cap
+                conn,
+                sessions,
+                activation_timeout=self._timeout,
+                covering_window=self._window,
+                pending_cap=self._cap,
             )
 
 
@@ -323,6 +334,7 @@ class Daemon:
             PoolSweep(
                 pool,
                 timedelta(seconds=knobs.demand_activation_timeout_seconds),
+                timedelta(seconds=knobs.active_window_seconds),
                 knobs.demand_sweep_pending_cap,
             ),
             tick_seconds=knobs.demand_safety_tick_seconds,

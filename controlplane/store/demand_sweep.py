@@ -9,7 +9,9 @@ live reservations and runners (an enrollment, an activation, a job starting on o
 warm pool's supply; only runners with a provider identity: the others change only through the
 session's own requests), the workspace provisioner's activation timeouts (one falling due;
 a cancelled job's runner has its own NOTIFY), an installation provisioner's eligibility
-(changed through another replica) and the installation's live reservations. The sweep
+(changed through another replica), the installation's live reservations and the workspace
+templates advertised within `provisioners.active_window_seconds` (a workspace provisioner gone
+quiet stops covering its labels, and the installation one takes that demand). The sweep
 compares each session's figures with the ones it read at its previous tick and wakes only the
 sessions whose figures moved, so a session whose state stays put costs nothing, whatever that
 state is (even demand it cannot serve).
@@ -49,7 +51,10 @@ WITH s AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[])
            WITH ORDINALITY AS s(provisioner_id, workspace_id, ord)
 ), everywhere AS (
-    SELECT count(*) AS n, coalesce(sum(count), 0) AS units
+    SELECT count(*) AS n, coalesce(sum(count), 0) AS units,
+           (SELECT count(*) FROM provisioner_templates pt
+             WHERE pt.workspace_id IS NOT NULL AND pt.advertised_at > now() - $5::interval)
+               AS covering
       FROM reservations WHERE expires_at > now()
 )
 SELECT s.ord,
@@ -85,7 +90,7 @@ SELECT s.ord,
        (SELECT count(*) FILTER (WHERE t.timed_out)
           FROM cp_terminate_candidates(s.workspace_id, s.provisioner_id, $3) AS t) AS timed_out,
        CASE WHEN s.workspace_id IS NULL THEN
-           row(g.n, g.units,
+           row(g.n, g.units, g.covering,
                (SELECT e.updated_at FROM provisioner_eligibility e
                  WHERE e.provisioner_id = s.provisioner_id))::text
        END AS installation
@@ -99,11 +104,13 @@ async def sweep_figures(
     sessions: Sequence[SweptSession],
     *,
     activation_timeout: timedelta,
+    covering_window: timedelta,
     pending_cap: int,
 ) -> list[Figures]:
     """Each session's figures, in the order given (one statement). Pending jobs are counted up
     to `pending_cap` (`provisioners.demand_sweep_pending_cap`): past it a change in their number
-    shows only through its other figures, an enqueue's notification or the slow full round."""
+    shows only through its other figures, an enqueue's notification or the slow full round.
+    `covering_window` is `provisioners.active_window_seconds` (the installation walk's)."""
     if not sessions:
         return []
     rows = await conn.fetch(
@@ -112,5 +119,6 @@ async def sweep_figures(
         [s.workspace_id for s in sessions],
         activation_timeout,
         pending_cap,
+        covering_window,
     )
     return [tuple(row.values())[1:] for row in rows]

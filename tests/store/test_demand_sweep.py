@@ -11,15 +11,17 @@ from datetime import timedelta
 
 import anyio
 
+from controlplane.domain.demand import Template
 from controlplane.domain.eligibility import Eligibility, Mode
 from controlplane.domain.provisioners import Provisioner
-from controlplane.store import eligibility, locks
+from controlplane.store import demand_inputs, eligibility, locks
 from controlplane.store.demand_sweep import Figures, SweptSession, sweep_figures
 from controlplane.store.pool import Conn
 from tests import provisioning as rows
 from tests.factories import holding, holding_lock
 
 TIMEOUT = timedelta(seconds=300)
+WINDOW = timedelta(seconds=120)
 
 
 def session(p: Provisioner) -> SweptSession:
@@ -28,7 +30,11 @@ def session(p: Provisioner) -> SweptSession:
 
 async def read(conn: Conn, *provisioners: Provisioner, cap: int = 1000) -> list[Figures]:
     return await sweep_figures(
-        conn, [session(p) for p in provisioners], activation_timeout=TIMEOUT, pending_cap=cap
+        conn,
+        [session(p) for p in provisioners],
+        activation_timeout=TIMEOUT,
+        covering_window=WINDOW,
+        pending_cap=cap,
     )
 
 
@@ -112,6 +118,16 @@ async def test_an_installation_session_moves_with_its_eligibility_and_any_reserv
     # Any reservation anywhere may uncover demand the installation could take when it goes.
     await rows.reservation(conn, workspace_id=uuid.uuid4(), provisioner_id=local.id)
     assert (await moved(conn, before, installation, local))[0]
+    # A workspace provisioner's advertisement ages out of the covering window: its labels'
+    # demand is the installation's again.
+    await demand_inputs.replace_templates(conn, local.id, w, [Template("k", ("linux",), 1)])
+    before = await read(conn, installation, local)
+    await conn.execute(
+        "UPDATE provisioner_templates SET advertised_at = now() - interval '1 hour'"
+        " WHERE provisioner_id = $1",
+        local.id,
+    )
+    assert await moved(conn, before, installation, local) == [True, False]
 
 
 async def test_pending_jobs_are_counted_up_to_the_cap(conn: Conn) -> None:
