@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from uuid import UUID
@@ -28,7 +28,7 @@ import asyncpg
 from controlplane import metrics
 from controlplane.actors.assignments import AssignmentBoard
 from controlplane.actors.cancels import CancelBoard
-from controlplane.actors.control import ControlSessions
+from controlplane.actors.control import ControlSessions, LastSeen
 from controlplane.actors.dispatch import Dispatcher
 from controlplane.actors.feed import FeedWatch
 from controlplane.actors.listener import Listener
@@ -38,12 +38,20 @@ from controlplane.actors.maintenance.provisioning import PoolUpkeepStore, Provis
 from controlplane.actors.maintenance.reaper import LeaseReaper, PoolReaperStore
 from controlplane.actors.maintenance.retention import PoolRetentionStore, Retention
 from controlplane.actors.maintenance.sessions import PoolSessionStore, SessionCleanup
-from controlplane.actors.provisioning import DemandBoard
+from controlplane.actors.provisioning import DemandBoard, DemandSweep
 from controlplane.domain import pauses
 from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
 from controlplane.domain.labels import LabelSet, canonicalise
+from controlplane.domain.provisioners import Fence
 from controlplane.settings import Settings
-from controlplane.store import claiming, migrations, queue, reservations
+from controlplane.store import (
+    claiming,
+    demand_sweep,
+    migrations,
+    provisioner_sessions,
+    queue,
+    reservations,
+)
 from controlplane.store.credentials import KeyRing
 from controlplane.store.embedded import EmbeddedPostgres
 from controlplane.store.events import EVENTS_CHANNEL
@@ -88,6 +96,50 @@ class PoolClaims:
             done = await queue.put_back(conn, job_execution_id, runner_session_id)
         metrics.put_backs.inc()
         return done
+
+
+class PoolSweep:
+    """The demand sweep's view of the store: one statement on a pooled connection."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        activation_timeout: timedelta,
+        covering_window: timedelta,
+        pending_cap: int,
+    ) -> None:
+        self._pool = pool
+        self._timeout = activation_timeout
+        self._window = covering_window
+        self._cap = pending_cap
+
+    async def figures(
+        self, sessions: Sequence[demand_sweep.SweptSession]
+    ) -> list[demand_sweep.Figures]:
+        async with borrow(self._pool) as conn:
+            return await demand_sweep.sweep_figures(
+                conn,
+                sessions,
+                activation_timeout=self._timeout,
+                covering_window=self._window,
+                pending_cap=self._cap,
+            )
+
+
+class PoolSeen:
+    """`LastSeen`'s view of the store: the batch stamp, and one session's fence alone."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def stamp(self, sessions: Sequence[tuple[UUID, int]]) -> set[tuple[UUID, int]]:
+        async with borrow(self._pool) as conn:
+            return await provisioner_sessions.stamp_seen(conn, sessions)
+
+    async def current(self, provisioner_id: UUID, generation: int) -> bool:
+        async with borrow(self._pool) as conn:
+            verdict = await provisioner_sessions.fence(conn, provisioner_id, generation)
+        return verdict is Fence.CURRENT
 
 
 def pool_settings(settings: Settings, url: str) -> PoolSettings:
@@ -193,7 +245,7 @@ def _on_paused(dispatcher: Dispatcher, demand: DemandBoard) -> Callable[[str], N
             dispatcher.runner_paused(change.workspace_id, change.target_id, change.paused)
         elif change.kind is pauses.PauseKind.WORKSPACE:
             # A paused workspace's jobs are no demand (store/demand_inputs.py): either way its
-            # provisioners' rounds are due now, not at their safety tick.
+            # provisioners' rounds are due now, not at their next sweep or full round.
             demand.wake_workspace(change.target_id)
             if not change.paused:
                 dispatcher.wake(change.target_id, None)
@@ -276,7 +328,19 @@ class Daemon:
             held_per_key=settings.events.held_reads_per_key,
         )
         demand = DemandBoard()
+        knobs = settings.provisioners
+        sweep = DemandSweep(
+            demand,
+            PoolSweep(
+                pool,
+                timedelta(seconds=knobs.demand_activation_timeout_seconds),
+                timedelta(seconds=knobs.active_window_seconds),
+                knobs.demand_sweep_pending_cap,
+            ),
+            tick_seconds=knobs.demand_safety_tick_seconds,
+        )
         control = ControlSessions()
+        last_seen = LastSeen(control, PoolSeen(pool), every=knobs.session_seen_batch_seconds)
         assignments = AssignmentBoard()
         pulse = Pulse()
         history = QueueHistory(
@@ -395,6 +459,8 @@ class Daemon:
             await root.start(dispatcher.run)
             await root.start(feed.run)
             await root.start(history.run)
+            await root.start(sweep.run)
+            await root.start(last_seen.run)
             root.start_soon(maintenance.run)
             log.info("server.listening", extra={"address": self.address})
             if on_ready is not None:

@@ -246,6 +246,26 @@ allocation_seconds = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
     registry=REGISTRY,
 )
+allocation_triggers = Counter(
+    "controlplane_allocation_round_triggers_total",
+    "What started a provisioner actor's allocation round: wake (a notification, a request or "
+    "the demand sweep), deadline (a reservation, activation or warm launch it knew of fell "
+    "due), fallback (provisioners.demand_full_round_seconds passed without a round).",
+    ["trigger"],
+    registry=REGISTRY,
+)
+demand_sweeps = Counter(
+    "controlplane_demand_sweeps_total",
+    "Per-replica demand sweeps (one statement for every control session on the replica), by "
+    "outcome (ok, error).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+demand_sweep_woken = Counter(
+    "controlplane_demand_sweep_woken_total",
+    "Provisioner actors the demand sweep woke because their figures moved.",
+    registry=REGISTRY,
+)
 demand_pushes = Counter(
     "controlplane_demand_pushes_total",
     "Demand messages pushed to provisioners, by outcome (sent, failed).",

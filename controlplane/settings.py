@@ -113,13 +113,21 @@ class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     last_seen_throttle_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 10
+    # The replica stamps the last-seen of its pinged control sessions in one statement this often.
+    session_seen_batch_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=3600)] = 10.0
     installation_enabled: bool = True
     # An installation provisioner's walk gives each workspace at most an even share of its slots
     # (issue 14's fair share) instead of serving the oldest demand first with all of them.
     installation_fair_share: bool = False
     reservation_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 60
     reservation_ttl_max_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 600
+    # The replica's demand sweep: one statement for all its sessions, waking those whose
+    # figures moved (actors/provisioning/sweep.py).
     demand_safety_tick_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=600)] = 2.0
+    # Pending jobs the sweep counts per workspace, at most.
+    demand_sweep_pending_cap: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1000
+    # A provisioner actor's round at least this often, woken or not (the slow safety net).
+    demand_full_round_seconds: Annotated[float, msgspec.Meta(ge=1, le=3600)] = 60.0
     active_window_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 120
     bootstrap_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
     control_session_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 3600

@@ -8,19 +8,28 @@ generation; the web handler then closes it with 4409 (superseded).
 
 A notification can be lost (listener reconnect), so the registry is only the fast path: every
 message that touches the database checks the session's generation, and a stale one is refused
-and closed. Ping checks it in the statement that stamps `last_seen_at`; every write takes the
-session's fencing row first. Both happen in one place, the session's store
-(store/provisioning.py); the statements (take-over, fence, hold) live in
+and closed. Every write takes the session's fencing row first, in one place, the session's store
+(store/provisioning.py); the statements (take-over, fence, hold, stamp) live in
 store/provisioner_sessions.py.
+
+A `ping` is answered at once and only marks its session seen; `LastSeen` stamps
+`provisioner_sessions.last_seen_at` for every session pinged since its previous batch in ONE
+statement per `provisioners.session_seen_batch_seconds`, and checks each fence on the way: a
+session left out is fenced alone (`fence`), and one that lost its generation (a takeover or a
+revocation whose notification was lost, an expired token) is superseded, so its socket closes
+with the fence's code. An idle session's pings cost no transaction of their own.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 from uuid import UUID
 
 import anyio
+import anyio.abc
 
 log = logging.getLogger("controlplane.control")
 
@@ -34,6 +43,7 @@ class LocalSession:
     generation: int
     scope: anyio.CancelScope
     superseded: bool = field(default=False)
+    seen: bool = field(default=False)  # pinged since the last batch of `LastSeen`
 
     def supersede(self) -> None:
         self.superseded = True
@@ -62,6 +72,13 @@ class ControlSessions:
         if not peers:
             del self._live[session.provisioner_id]
 
+    def take_seen(self) -> list[LocalSession]:
+        """The live sessions pinged since the previous call (their marks cleared)."""
+        seen = [s for peers in self._live.values() for s in peers if s.seen and not s.superseded]
+        for session in seen:
+            session.seen = False
+        return seen
+
     def sessions(self, provisioner_id: UUID) -> list[LocalSession]:
         return sorted(self._live.get(provisioner_id, ()), key=lambda s: s.generation)
 
@@ -81,3 +98,55 @@ class ControlSessions:
         for session in self._live.get(provisioner_id, ()):
             if session.generation < newest and not session.superseded:
                 session.supersede()
+
+
+class SeenStore(Protocol):
+    async def stamp(self, sessions: Sequence[tuple[UUID, int]]) -> set[tuple[UUID, int]]:
+        """Stamp those still current (one statement); the pairs stamped."""
+        ...
+
+    async def current(self, provisioner_id: UUID, generation: int) -> bool:
+        """Stamp one session alone if it still holds its generation; whether it does."""
+        ...
+
+
+class LastSeen:
+    """The replica's batch of pinged sessions' last-seen stamps (see the module's docstring)."""
+
+    def __init__(self, registry: ControlSessions, store: SeenStore, *, every: float) -> None:
+        self._registry = registry
+        self._store = store
+        self._every = every
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            await anyio.sleep(self._every)
+            try:
+                await self.flush()
+            except Exception as error:
+                log.warning("control.last_seen_failed", extra={"error": repr(error)})
+
+    async def flush(self) -> list[LocalSession]:
+        """One batch; the sessions found fenced (now superseded)."""
+        seen = self._registry.take_seen()
+        if not seen:
+            return []
+        stamped = await self._store.stamp([(s.provisioner_id, s.generation) for s in seen])
+        lost = []
+        for session in seen:
+            key = (session.provisioner_id, session.generation)
+            if key not in stamped and not await self._store.current(*key):
+                lost.append(session)
+        for session in lost:
+            log.info(
+                "control.fence_lost",
+                extra={
+                    "provisioner_id": str(session.provisioner_id),
+                    "generation": session.generation,
+                },
+            )
+            session.supersede()
+        return lost

@@ -1,7 +1,8 @@
 """The live control session of each provisioner: a generation that fences stale sessions.
 
 Locks: `take_over` upserts one provisioner_sessions row (its row lock) after reading the token
-row without a lock; `fence` updates that one row. Two hellos for one provisioner serialise on
+row without a lock; `fence` updates that one row; `stamp_seen` updates many, skipping any that is
+locked. Two hellos for one provisioner serialise on
 the row and each gets its own generation. `hold_fence` locks the row FOR SHARE as the first lock
 of every write a session makes (advertisement, allocation, instances, reports); a takeover or a
 revocation then waits for that write to commit. Revocation locks the token row before this one,
@@ -10,6 +11,7 @@ and nothing holding this row's share lock ever waits for a token row lock, so no
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from uuid import UUID
 
 from controlplane.domain.provisioners import Fence, lost_fence
@@ -78,6 +80,36 @@ async def fence(conn: Conn, provisioner_id: UUID, generation: int) -> Fence:
         revoked=row["revoked"],
         expired=row["expired"],
     )
+
+
+async def stamp_seen(conn: Conn, sessions: Sequence[tuple[UUID, int]]) -> set[tuple[UUID, int]]:
+    """Stamp the last-seen of every (provisioner, generation) given that still holds its
+    generation and a valid token, in one statement: a replica's pinged sessions, batched
+    (actors/control.py). Returns the pairs stamped; a pair left out lost its fence, or its row
+    was locked (a takeover, a revocation or a session write in flight): `fence` it alone.
+
+    Locks: the rows it stamps (FOR UPDATE, SKIP LOCKED: it never waits for a row, so it cannot
+    wait in a cycle with a takeover, a revocation or another replica's batch)."""
+    if not sessions:
+        return set()
+    rows = await conn.fetch(
+        """
+        WITH due AS (
+            SELECT s.provisioner_id FROM provisioner_sessions AS s
+              JOIN unnest($1::uuid[], $2::bigint[]) AS x(provisioner_id, generation)
+                ON x.provisioner_id = s.provisioner_id AND x.generation = s.generation
+              JOIN provisioner_tokens AS t ON t.id = s.provisioner_id
+             WHERE t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > now())
+               FOR UPDATE OF s SKIP LOCKED
+        )
+        UPDATE provisioner_sessions AS s SET last_seen_at = now()
+          FROM due WHERE s.provisioner_id = due.provisioner_id
+        RETURNING s.provisioner_id, s.generation
+        """,
+        [p for p, _ in sessions],
+        [g for _, g in sessions],
+    )
+    return {(r["provisioner_id"], int(r["generation"])) for r in rows}
 
 
 async def hold_fence(conn: Conn, provisioner_id: UUID, generation: int) -> Fence:

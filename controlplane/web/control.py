@@ -307,6 +307,8 @@ class _Conversation:
         session's fencing row; a refused request changes nothing and leaves the session open.
         A fenced session (`Fenced`) or an unavailable database ends it instead."""
         assert self.actor is not None
+        if isinstance(message, wire.Ping) and self.local is not None:
+            self.local.seen = True  # stamped with the replica's next batch (actors/control.py)
         try:
             answer = await handlers.handle(self.actor, message)
         except ControlPlaneError as error:
@@ -324,7 +326,7 @@ def _limits(svc: Deps) -> Limits:
         activation_grace=timedelta(seconds=knobs.reservation_ttl_seconds),
         activation_timeout=timedelta(seconds=knobs.demand_activation_timeout_seconds),
         covering_window=timedelta(seconds=knobs.active_window_seconds),
-        tick_seconds=knobs.demand_safety_tick_seconds,
+        full_round_seconds=knobs.demand_full_round_seconds,
         reservation_ttl_seconds=knobs.reservation_ttl_seconds,
         reservation_ttl_max_seconds=knobs.reservation_ttl_max_seconds,
         bootstrap_ttl=timedelta(seconds=knobs.bootstrap_token_ttl_seconds),

@@ -191,7 +191,7 @@ LIMITS = Limits(
     activation_grace=timedelta(seconds=60),
     activation_timeout=timedelta(seconds=300),
     covering_window=timedelta(seconds=120),
-    tick_seconds=TICK,
+    full_round_seconds=TICK,
     reservation_ttl_seconds=60,
     reservation_ttl_max_seconds=3600,
     bootstrap_ttl=timedelta(minutes=10),
@@ -243,7 +243,7 @@ async def test_an_advertisement_runs_a_round_and_pushes_demand_even_with_nothing
     await _session(store, workspace, body)
 
 
-async def test_an_unchanged_round_pushes_nothing_and_the_safety_tick_runs_rounds() -> None:
+async def test_an_unchanged_round_pushes_nothing_and_the_full_round_runs_anyway() -> None:
     workspace = uuid.uuid4()
     store = FakeStore(workspace)
     store.queued[workspace] = 1
@@ -253,7 +253,7 @@ async def test_an_unchanged_round_pushes_nothing_and_the_safety_tick_runs_rounds
         await _next(pushes)
         started, rounds = anyio.current_time(), store.rounds
         with anyio.fail_after(TICK * 1.5):
-            await store.round_done.wait()  # nobody woke the actor: the tick did
+            await store.round_done.wait()  # nobody woke the actor: the full round ran
         assert anyio.current_time() - started >= TICK
         assert store.rounds == rounds + 1
         await anyio.sleep(1)

@@ -131,9 +131,12 @@ KILL_EXPIRY = {
     "CONTROLPLANE_RUNNERS_STALE_LEASE_THRESHOLD_SECONDS": "20",
 }
 
-# Allocation rounds for connected provisioners every 0.5 s, so "nothing more was granted" is
-# seen over several rounds within a second or two.
-FAST_ROUNDS = {"CONTROLPLANE_PROVISIONERS_DEMAND_SAFETY_TICK_SECONDS": "0.5"}
+# Allocation rounds for connected provisioners every second at least (the full round), so
+# "nothing more was granted" is seen over several rounds within a few seconds.
+FAST_ROUNDS = {
+    "CONTROLPLANE_PROVISIONERS_DEMAND_SAFETY_TICK_SECONDS": "0.5",
+    "CONTROLPLANE_PROVISIONERS_DEMAND_FULL_ROUND_SECONDS": "1",
+}
 ROUNDS_DONE = 'controlplane_allocation_rounds_total{outcome="ok"}'
 CONTROL_SESSIONS = "controlplane_provisioner_control_sessions"
 ABNORMAL_CLOSURE = 1006  # the socket went away without a close frame

@@ -99,6 +99,8 @@ async def _units(db: asyncpg.Connection) -> int:
 
 
 ROUNDS_DONE = 'controlplane_allocation_rounds_total{outcome="ok"}'
+# An idle actor sleeps (issue 16); a full round every second lets `_settled` count rounds.
+ROUNDS = {"CONTROLPLANE_PROVISIONERS_DEMAND_FULL_ROUND_SECONDS": "1"}
 
 
 async def _rounds(replica: httpx.AsyncClient) -> float:
@@ -170,8 +172,8 @@ async def test_two_replicas_two_installation_provisioners_500_jobs_audit(
             job_body(workspaces[i % 3], label_sets[(i // 3) % len(label_sets)]) for i in range(500)
         ]
         async with (
-            spawn_daemon() as replica_a,
-            spawn_daemon() as replica_b,
+            spawn_daemon(**ROUNDS) as replica_a,
+            spawn_daemon(**ROUNDS) as replica_b,
             httpx.AsyncClient(base_url=replica_a.address, timeout=30) as a,
             httpx.AsyncClient(base_url=replica_b.address, timeout=30) as b,
             anyio.create_task_group() as group,
@@ -237,8 +239,8 @@ async def test_sigkill_replica_holding_the_socket_provisioner_moves_on(
         _, raw = await provisioners.create(db, name="fleet", workspace_id=workspace)
         fleet = Fleet(raw, [{"template_key": "k", "labels": ["linux"], "available_slots": 100}])
         async with (
-            spawn_daemon() as replica_a,
-            spawn_daemon() as replica_b,
+            spawn_daemon(**ROUNDS) as replica_a,
+            spawn_daemon(**ROUNDS) as replica_b,
             httpx.AsyncClient(base_url=replica_a.address, timeout=30) as a,
             httpx.AsyncClient(base_url=replica_b.address, timeout=30) as b,
         ):

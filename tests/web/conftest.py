@@ -29,6 +29,7 @@ def test_settings(**overrides: Any) -> settings.Settings:
     raw["runners"]["long_poll_max_seconds"] = 10
     raw["maintenance"]["dispatch_safety_tick_seconds"] = 0.5
     raw["maintenance"]["reaper_interval_seconds"] = 0.2
+    raw["provisioners"]["session_seen_batch_seconds"] = 0.2  # a ping's stamp and fence check
     raw["database"]["pool_min_size"] = 1
     for dotted, value in overrides.items():
         section, knob = dotted.split("__")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta
 
+import anyio
 import asyncpg
 
 from controlplane.store import provisioners
@@ -98,6 +99,14 @@ async def test_a_provisioner_with_a_live_session_stays_active_long_after_it_conn
     )
     await send(ws, {"type": "ping", "request_id": "p1"})
     assert await receive(ws) == {"type": "pong", "request_id": "p1"}
+    # The replica stamps its pinged sessions in one batch (provisioners.session_seen_batch_seconds).
+    with anyio.fail_after(10):
+        while not await db.fetchval(
+            "SELECT last_seen_at > now() - interval '1 minute' FROM provisioner_sessions"
+            " WHERE provisioner_id = $1",
+            found.id,
+        ):
+            await anyio.sleep(0.05)
     admin = api.auth(api.admin_key)
     active = await api.http.get("/v1/admin/provisioner-tokens?active=true", headers=admin)
     (item,) = active.json()["items"]

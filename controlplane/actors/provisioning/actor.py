@@ -10,8 +10,14 @@ rounds of one provisioner never interleave. A round runs when:
 * the provisioner advertises (always followed by a `demand` push);
 * a job is enqueued in a workspace it serves (NOTIFY `cp_enqueued`, via `DemandBoard`);
 * it reported or reconciled runners, which may have released units;
-* the safety tick passes (`provisioners.demand_safety_tick_seconds`): reservations expire and
-  notifications can be lost, and both only show on a re-read.
+* the replica's demand sweep (sweep.py) saw the figures its rounds read move without a
+  notification (a claim on another replica, another provisioner's reservation expiring, ...);
+* a deadline it knows of falls due: a reservation it granted or bound expires (round time plus
+  the launch lifetime or the activation grace), an instance it created reaches the activation
+  timeout, a grant outstanding at hello expires, a warm launch it pushed stops counting;
+* `provisioners.demand_full_round_seconds` passed without a round (the slow safety net).
+
+Between those it sleeps and costs the database nothing.
 
 After a round the actor pushes demand (`send`) when it has something new to say: grants, warm
 launches, terminate intents that changed, or demand figures that changed. If the push fails
@@ -44,7 +50,13 @@ from controlplane.actors.provisioning.rounds import (
 )
 from controlplane.domain.assignment import Batch
 from controlplane.domain.binding import Scope
-from controlplane.domain.demand import Template, WarmLaunch, reservation_ttl, warm_pool_launches
+from controlplane.domain.demand import (
+    ReservationKind,
+    Template,
+    WarmLaunch,
+    reservation_ttl,
+    warm_pool_launches,
+)
 from controlplane.domain.divergence import divergences
 from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
 from controlplane.domain.provisioners import Provisioner
@@ -73,7 +85,7 @@ class Limits:
     activation_grace: timedelta
     activation_timeout: timedelta
     covering_window: timedelta
-    tick_seconds: float
+    full_round_seconds: float  # the slow safety net: a round at least this often
     reservation_ttl_seconds: int  # a launch grant's lifetime when the advertisement names none
     reservation_ttl_max_seconds: int
     bootstrap_ttl: timedelta
@@ -134,13 +146,17 @@ class ProvisionerActor:
         self._clock = clock
         self._advertisement: Advertisement | None = None
         self._fresh_advertisement = False
-        self._wake = anyio.Event()
+        self._wake = anyio.Event()  # set by a wake-up, or by a new deadline (to re-plan)
+        self._woken = False  # a wake-up since the last round started
         self._seq = 0
         self._last_stats: list[WorkspaceDemand] | None = None
         self._last_terminate: list[str] = []
         # Warm launches pushed whose instances have not been created yet, per template, with
         # the time they stop counting (the provisioner may have ignored them).
         self._warm_pending: dict[str, list[float]] = {}
+        # Monotonic times at which a round may find something new with nobody waking the actor
+        # (reservations it made expiring, instances it created timing out).
+        self._deadlines: list[float] = []
 
     @property
     def scope(self) -> Scope:
@@ -150,17 +166,23 @@ class ProvisionerActor:
         return self.scope is Scope.INSTALLATION or self.provisioner.workspace_id == workspace_id
 
     def wake(self) -> None:
+        self._woken = True
         self._wake.set()
 
     # --- requests ------------------------------------------------------------------------------
 
     async def ping(self) -> None:
-        """Stamp the session's last-seen; raises Fenced when it lost its generation."""
+        """Stamp the session's last-seen; raises Fenced when it lost its generation (asked when
+        a session was superseded, for its close code; a wire `ping` is batched instead)."""
         await self.store.ping()
 
     async def outstanding(self) -> list[Grant]:
         """The launch units granted earlier and not launched yet (`welcome.outstanding`)."""
-        return [grant_of(r, pending) for r, pending in await self.store.outstanding_grants()]
+        grants = [grant_of(r, pending) for r, pending in await self.store.outstanding_grants()]
+        now, now_mono = self._clock(), anyio.current_time()
+        for grant in grants:  # their expiry makes demand again: a round is due then
+            self._deadlines.append(now_mono + (grant.expires_at - now).total_seconds())
+        return grants
 
     async def advertise(
         self, ads: Sequence[Template], max_reservations: int, reservation_ttl_seconds: int | None
@@ -209,6 +231,9 @@ class ProvisionerActor:
         """Create instances for (template key, reservation id) entries; warm ones (no
         reservation) take the place of pushed warm launches."""
         batch = await self.store.create_instances(provider_kind, entries, self.limits.bootstrap_ttl)
+        if any(reservation_id is not None for _, reservation_id in entries):
+            # A demand launch that never activates is timed out from its creation on.
+            self._after(self.limits.activation_timeout)
         for reason, units in batch.capacity_failures.items():
             metrics.capacity_failures.labels(reason).inc(units)
         self._warm_created(
@@ -303,19 +328,60 @@ class ProvisionerActor:
 
     # --- rounds --------------------------------------------------------------------------------
 
+    def _after(self, delay: timedelta) -> None:
+        """A round is due `delay` from now (measured after the write that started the clock,
+        so never before the database's own deadline); a sleep in progress re-plans."""
+        self._deadlines.append(anyio.current_time() + delay.total_seconds())
+        self._wake.set()
+
+    def next_deadline(self) -> float | None:
+        """The earliest monotonic time a known deadline (or a pushed warm launch's expiry)
+        makes a round due, if any."""
+        warm = [d for deadlines in self._warm_pending.values() for d in deadlines]
+        return min(self._deadlines + warm, default=None)
+
+    async def _sleep(self) -> str:
+        """Until woken, a deadline or the full-round interval; what ended the sleep."""
+        fallback = anyio.current_time() + self.limits.full_round_seconds
+        while True:
+            due = self.next_deadline()
+            until = fallback if due is None else min(due, fallback)
+            with anyio.move_on_after(max(0.0, until - anyio.current_time())):
+                await self._wake.wait()
+            if self._woken:
+                return "wake"
+            if not self._wake.is_set():
+                return "deadline" if due is not None and due < fallback else "fallback"
+            self._wake = anyio.Event()  # a deadline was added: plan again
+
     async def run(self) -> None:
         """Rounds until cancelled; raises Fenced when the session lost its generation."""
         with metrics.control_sessions.track_inprogress():
             while True:
-                with anyio.move_on_after(self.limits.tick_seconds):
-                    await self._wake.wait()
-                self._wake = anyio.Event()
+                trigger = await self._sleep()
+                self._wake, self._woken = anyio.Event(), False
+                started = anyio.current_time()
+                # Deadlines passed by now are seen by the round that starts now.
+                self._deadlines = [d for d in self._deadlines if d > started]
+                for key, deadlines in list(self._warm_pending.items()):
+                    self._warm_pending[key] = [d for d in deadlines if d > started]
                 advertisement = self._advertisement
                 if advertisement is None:
                     continue
+                metrics.allocation_triggers.labels(trigger).inc()
                 fresh, self._fresh_advertisement = self._fresh_advertisement, False
                 outcome = await self._measured_round(advertisement)
+                self._expect(outcome, advertisement.launch_ttl)
                 await self._maybe_push(outcome, advertisement, force=fresh)
+
+    def _expect(self, outcome: RoundOutcome, launch_ttl: timedelta) -> None:
+        """The deadlines the round's own reservations set: a launch grant that is not used,
+        or a bound runner that does not activate, expires and is demand again."""
+        kinds = {new.kind for r in outcome.rounds for new in r.allocation.reservations}
+        if ReservationKind.LAUNCH in kinds:
+            self._after(launch_ttl)
+        if ReservationKind.BOUND in kinds:
+            self._after(self.limits.activation_grace)
 
     async def _measured_round(self, advertisement: Advertisement) -> RoundOutcome:
         started = anyio.current_time()

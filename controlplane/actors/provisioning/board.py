@@ -42,6 +42,10 @@ class DemandBoard:
     def __len__(self) -> int:
         return len(self._actors)
 
+    def actors(self) -> list[ProvisionerActor]:
+        """Every actor on this replica (the demand sweep reads their figures)."""
+        return list(self._actors)
+
     def wake_workspace(self, workspace_id: UUID, labels: LabelSet | None = None) -> None:
         del labels  # every template may match some label set; the round decides
         for actor in self._by_workspace.get(workspace_id, ()):

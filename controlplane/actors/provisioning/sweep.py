@@ -1,0 +1,83 @@
+"""The per-replica demand sweep: the safety net under the provisioner actors' wake-ups.
+
+A provisioner actor runs a round when it is woken (an enqueue's NOTIFY, a pause, a cancel, its
+own requests, a listener reconnect) and when a deadline it knows of falls due (actor.py); it
+sleeps otherwise. What can change a round's result with neither (a claim on another replica
+releasing a unit, another provisioner's reservation expiring, a runner of this provisioner
+enrolling or starting a job, an eligibility change made through another replica, a queue
+deadline passing) is caught here: every `provisioners.demand_safety_tick_seconds` ONE statement
+(store/demand_sweep.py) reads the figures of every session on this replica, and the sessions
+whose figures moved since the previous tick are woken; the others cost nothing. A session seen
+for the first time is woken once (its figures may have moved since its first round).
+
+Nothing is read while the replica holds no session. A failed read is logged and retried at the
+next tick: the actors' slow full round (`provisioners.demand_full_round_seconds`) still runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import anyio
+import anyio.abc
+
+from controlplane import metrics
+from controlplane.actors.provisioning.actor import ProvisionerActor
+from controlplane.actors.provisioning.board import DemandBoard
+from controlplane.store.demand_sweep import Figures, SweptSession
+
+log = logging.getLogger("controlplane.provisioning")
+
+
+class SweepStore(Protocol):
+    async def figures(self, sessions: Sequence[SweptSession]) -> list[Figures]:
+        """Each session's figures, in the order given, read by one statement."""
+        ...
+
+
+def moved(
+    actors: Sequence[ProvisionerActor],
+    figures: Sequence[Figures],
+    before: dict[ProvisionerActor, Figures],
+) -> list[ProvisionerActor]:
+    """The actors whose figures differ from the ones read at the previous tick (or that were
+    not there then)."""
+    return [a for a, f in zip(actors, figures, strict=True) if before.get(a) != f]
+
+
+class DemandSweep:
+    def __init__(self, board: DemandBoard, store: SweepStore, *, tick_seconds: float) -> None:
+        self._board = board
+        self._store = store
+        self._tick = tick_seconds
+        self._seen: dict[ProvisionerActor, Figures] = {}
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            await anyio.sleep(self._tick)
+            try:
+                await self.sweep()
+            except Exception as error:
+                metrics.demand_sweeps.labels("error").inc()
+                log.warning("provisioning.sweep_failed", extra={"error": repr(error)})
+
+    async def sweep(self) -> list[ProvisionerActor]:
+        """One tick: read every session's figures and wake those that moved; the woken."""
+        actors = self._board.actors()
+        if not actors:
+            self._seen.clear()
+            return []
+        sessions = [SweptSession(a.provisioner.id, a.provisioner.workspace_id) for a in actors]
+        figures = await self._store.figures(sessions)
+        woken = moved(actors, figures, self._seen)
+        self._seen = dict(zip(actors, figures, strict=True))
+        for actor in woken:
+            actor.wake()
+        metrics.demand_sweeps.labels("ok").inc()
+        metrics.demand_sweep_woken.inc(len(woken))
+        return woken
