@@ -19,6 +19,9 @@ Connections of the replica, from pg_stat_activity matched to the replica's own s
 port: idle and active, the LISTEN connection and the one holding the leader's session lock (the
 only two that run `SELECT 1`, their probe; the leader is the one holding `locks.LEADER_KEY`).
 
+First, on a database of its own with no daemon: the transactions one notifying commit costs with
+0, 1 and 3 LISTEN sessions (every replica holds one, and every enqueue notifies).
+
 bench/pgstats.py takes the readings: CPU and WAL at each window's edges, statistics counters
 after `SETTLE_SECONDS` of quiet (backends publish them up to 10 s late).
 """
@@ -47,6 +50,8 @@ RUNNERS = 50
 ENQUEUERS = 10
 IDLE_SECONDS = 60.0
 ROUNDS = 3
+FANOUT_LISTENERS = (0, 1, 3)
+FANOUT_NOTIFIES = 300
 
 
 def _most(samples: list[dict[str, int]]) -> dict[str, int]:
@@ -153,6 +158,44 @@ async def sql_floor(url: str, connections: int, jobs: int) -> None:
                     group.start_soon(worker)
     finally:
         await pool.close()
+
+
+async def notify_fanout(
+    server: str, listeners: int, notifies: int = FANOUT_NOTIFIES
+) -> dict[str, float]:
+    """Transactions a notifying commit costs with `listeners` LISTEN sessions: each listening
+    backend reads the notification queue in a transaction of its own (one read may take several
+    notifications). Plain `pg_notify` commits from one connection, in a database of their own."""
+    url = await harness.empty_database(server)
+    heard = [0] * listeners
+    sessions: list[asyncpg.Connection] = []
+    for index in range(listeners):
+        listening = await asyncpg.connect(url)
+
+        def count(*_args: object, index: int = index) -> None:
+            heard[index] += 1
+
+        await listening.add_listener("cp_bench_fanout", count)
+        sessions.append(listening)
+    await anyio.sleep(SETTLE_SECONDS)
+    reader = await asyncpg.connect(url)
+    before = await harness.database_counters(reader)
+    sender = await asyncpg.connect(url)
+    for _ in range(notifies):
+        await sender.execute("SELECT pg_notify('cp_bench_fanout', 'x')")
+    await sender.close()
+    with anyio.fail_after(60):
+        while listeners and min(heard) < notifies:
+            await anyio.sleep(0.05)
+    for listening in sessions:
+        await listening.close()  # a backend publishes its counters as it exits
+    await anyio.sleep(SETTLE_SECONDS)
+    after = await harness.database_counters(reader)
+    await reader.close()
+    await harness.drop_database(url)
+    # The reader's first read is a transaction of its own, counted in `after`.
+    commits = harness.counter_delta(before, after)["xact_commit"] - 1
+    return {"listeners": listeners, "transactions_per_notify": round(commits / notifies, 3)}
 
 
 # --- figures ----------------------------------------------------------------------------------
@@ -276,6 +319,8 @@ async def run(
         "pool_max_size": pool_size,
     }
     with harness.postgres() as server:
+        result["notify_fanout"] = [await notify_fanout(server, n) for n in FANOUT_LISTENERS]
+        print(f"NOTIFY fan-out: {result['notify_fanout']}")
         url = await harness.fresh_database(server)
         admin = await asyncpg.connect(server)
         db = await asyncpg.connect(url)
@@ -436,6 +481,17 @@ def render(result: dict[str, Any]) -> list[str]:
                 f"| {label} | {c['total']} | {c['active']} | {c['idle']} | {c['pool']} | "
                 f"{c['listen']} | {c['leader_lock']} |"
             )
+    fanout = result.get("notify_fanout")
+    if fanout:
+        lines += [
+            "",
+            f"Transactions per notifying commit ({FANOUT_NOTIFIES} `pg_notify` commits in a row, "
+            "no daemon), by LISTEN sessions: "
+            + ", ".join(f"{f['listeners']}: {f['transactions_per_notify']}" for f in fanout)
+            + ". Each listening backend reads the notification queue in a transaction of its "
+            "own, so every replica's LISTEN connection adds up to one transaction a notifying "
+            "commit (fewer when one read takes several).",
+        ]
     return [*lines, "", "docs/scaling.md reads these figures.", ""]
 
 
