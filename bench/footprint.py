@@ -16,8 +16,9 @@ the runners parked (per idle session); each lifecycle window has the idle rate o
 time taken off, and the gross figure is kept beside the net one.
 
 Connections of the replica, from pg_stat_activity matched to the replica's own sockets by client
-port: idle and active, the LISTEN connection and the one holding the leader's session lock (the
-only two that run `SELECT 1`, their probe; the leader is the one holding `locks.LEADER_KEY`).
+port: idle and active, the LISTEN connection and the leader lock's (the only two that run `SELECT
+1`, their probe; the lock's is the one holding `locks.LEADER_KEY`, or on a follower the one whose
+last statement tried it).
 
 First, on a database of its own with no daemon: the transactions one notifying commit costs with
 0, 1 and 3 LISTEN sessions (every replica holds one, and every enqueue notifies).

@@ -161,7 +161,8 @@ def _socket_ports(pid: int) -> set[int]:
 
 
 async def replica_connections(admin: asyncpg.Connection, pid: int) -> dict[str, int]:
-    """The replica's server sessions by state and kind (dedicated: LISTEN, leader lock)."""
+    """The replica's server sessions by state and kind: pooled, LISTEN, and the leader lock's
+    (held, or a follower's that tries again)."""
     leader = locks.LEADER_KEY & 0xFFFFFFFFFFFFFFFF
     rows = await admin.fetch(
         """
@@ -182,7 +183,8 @@ async def replica_connections(admin: asyncpg.Connection, pid: int) -> dict[str, 
         state = (row["state"] or "").replace(" ", "_")
         if state in found:
             found[state] += 1
-        if row["leader"]:
+        # A follower keeps its lock session to try again: its last statement is the try.
+        if row["leader"] or str(row["query"]).startswith("SELECT pg_try_advisory_lock"):
             found["leader_lock"] += 1
         elif row["query"] == "SELECT 1" or str(row["query"]).startswith("LISTEN"):
             found["listen"] += 1
