@@ -123,11 +123,13 @@ class HttpSide:
         self.reached, self.halfway = anyio.Event(), anyio.Event()
 
     async def lifecycle(self, token: str) -> None:
+        """Enqueue the armed jobs over HTTP and wait until the runners have completed them
+        all, within a deadline of at least 5 jobs a second."""
         tickets = iter(range(self.target))
-        async with anyio.create_task_group() as group:
-            for _ in range(self.enqueuers):
-                group.start_soon(_enqueuer, self.address, token, self.workspace, tickets)
         with anyio.fail_after(max(120.0, self.target / 5)):
+            async with anyio.create_task_group() as group:
+                for _ in range(self.enqueuers):
+                    group.start_soon(_enqueuer, self.address, token, self.workspace, tickets)
             await self.reached.wait()
 
 
