@@ -26,9 +26,10 @@ from typing import Any, TypeVar
 import anyio
 import asyncpg
 
-from controlplane.domain.jobs import JobIdentity, NewJob
-from controlplane.store import migrations
+from controlplane.domain.jobs import JobIdentity, NewJob, SessionClaims
+from controlplane.store import migrations, sessions
 from controlplane.store.embedded import EmbeddedPostgres
+from controlplane.store.pool import Conn
 
 ROOT = Path(__file__).resolve().parents[1]
 # BENCH_RESULTS sends result files (and the report rendered from them) elsewhere, e.g. /tmp for
@@ -178,6 +179,18 @@ def new_job(workspace: uuid.UUID) -> NewJob:
         required_labels=("linux",),
         queued_at=datetime.now(UTC),
     )
+
+
+async def manual_session(conn: Conn, workspace: uuid.UUID) -> SessionClaims:
+    """A new manual runner session offering `linux` in `workspace`, as a claim sees it."""
+    made = await sessions.create(
+        conn,
+        workspace_id=workspace,
+        registration_token_id=uuid.uuid4(),
+        kind="manual",
+        labels=("linux",),
+    )
+    return SessionClaims(made.id, workspace, ("linux",), None)
 
 
 @dataclass

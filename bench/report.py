@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from bench import plots
+from bench import footprint, plots
 from bench.harness import RESULTS, ROOT
 
 # A run with BENCH_RESULTS set (a smoke run) renders beside its results, not into docs/.
@@ -471,6 +471,7 @@ RENDERERS = {
     "compare": _compare,
     "policies_off": _policies_off,  # bench/compare.py's result against 7569915, renamed
     "pages": _pages,
+    "footprint": footprint.render,
 }
 
 

@@ -309,17 +309,7 @@ async def _timed_claims(
 
 async def _claimers(conn: asyncpg.Connection, workspaces: list[uuid.UUID]) -> list[SessionClaims]:
     """One manual `linux` session per workspace."""
-    claimers = []
-    for workspace in workspaces:
-        made = await sessions.create(
-            conn,
-            workspace_id=workspace,
-            registration_token_id=uuid.uuid4(),
-            kind="manual",
-            labels=("linux",),
-        )
-        claimers.append(SessionClaims(made.id, workspace, ("linux",), None))
-    return claimers
+    return [await harness.manual_session(conn, workspace) for workspace in workspaces]
 
 
 async def _latencies(

@@ -37,8 +37,8 @@ import anyio
 import asyncpg
 
 from bench import harness, peers, wire
-from controlplane.domain.jobs import NewJob, Outcome, SessionClaims
-from controlplane.store import claiming, credentials, leases, ordering, queue, sessions
+from controlplane.domain.jobs import NewJob, Outcome
+from controlplane.store import claiming, credentials, leases, ordering, queue
 
 RUNNER_COUNTS = (10, 50, 200)
 JOBS = 6000
@@ -91,14 +91,7 @@ async def sql_lifecycle(url: str, runners: int, jobs: int) -> float:
     async def worker() -> None:
         nonlocal done
         async with pool.acquire() as conn:
-            made = await sessions.create(
-                conn,
-                workspace_id=workspace,
-                registration_token_id=uuid.uuid4(),
-                kind="manual",
-                labels=("linux",),
-            )
-            session = SessionClaims(made.id, workspace, ("linux",), None)
+            session = await harness.manual_session(conn, workspace)
             while (job := await claiming.claim(conn, session)) is not None:
                 execution = job.identity.job_execution_id
                 await leases.heartbeat(conn, execution, session.runner_session_id)
@@ -116,14 +109,19 @@ async def sql_lifecycle(url: str, runners: int, jobs: int) -> float:
 
 
 async def lifecycle_runner(
-    conn: wire.Connection, registration: str, stop: anyio.Event, on_done: Callable[[], None]
+    conn: wire.Connection,
+    registration: str,
+    stop: anyio.Event,
+    on_done: Callable[[], None],
+    request: str = "/v1/runners/jobs/request?wait=1",
 ) -> None:
-    """One runner: register, then claim (long poll), heartbeat once and complete until `stop`."""
+    """One runner: register, then claim (long poll, held as `request` asks: 1 s by default),
+    heartbeat once and complete until `stop`."""
     status, body = await conn.post("/v1/runners/register", registration, {"labels": ["linux"]})
     assert status == 200, (status, body)
     session = body["session_token"]
     while not stop.is_set():
-        status, body = await conn.post("/v1/runners/jobs/request?wait=1", session)
+        status, body = await conn.post(request, session)
         if status != 200:
             continue
         path = f"/v1/runners/jobs/{body['job_execution_id']}"
