@@ -402,7 +402,7 @@ async def test_q36_with_every_policy_off_the_claim_walks_the_priority_index(
         and n["Actual Loops"] > 0
     ]
     # The index walk stops at the first row; the only other read of pending_jobs is the
-    # delete's primary-key probe. The fair pick (a read of the whole workspace) never ran.
+    # delete's primary-key probe. The fair pick (a walk of every project's head) never ran.
     assert [(n["Node Type"], n.get("Index Name"), n["Actual Rows"]) for n in ran] == [
         ("Index Scan", "pending_jobs_workspace_priority_created_idx", 1),
         ("Index Scan", "pending_jobs_pkey", 1),
