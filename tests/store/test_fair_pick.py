@@ -5,22 +5,19 @@ project's first rows instead of the whole workspace (docs/policies.md Q-29)."""
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 from uuid import UUID
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.store import claiming, ordering
+from controlplane.store import ordering
 from controlplane.store.ordering import Ordering
 from controlplane.store.pool import Conn
 from tests.factories import manual_session, minutes_ago, new_job
-from tests.store.test_claim import enqueue
+from tests.store.test_ordering import claim_reads
 
 _COLUMNS = "id, job_execution_id, concurrency_key, concurrency_limit, priority, created_at"
 
@@ -170,26 +167,7 @@ async def test_q29_a_fair_claim_reads_each_projects_head_not_the_workspace(
         new_job(workspace, queued_at=minutes_ago(2000 - i), project_id=projects[i % 4])
         for i in range(2000)
     ]
-    for start in range(0, len(jobs), 500):
-        await enqueue(conn, *jobs[start : start + 500])
-    await conn.execute("ANALYZE pending_jobs")
-    runner = await manual_session(conn, workspace)
-    plan = await conn.fetchval(
-        "EXPLAIN (ANALYZE, FORMAT JSON) " + claiming._CLAIM,
-        workspace,
-        list(runner.labels),
-        [],
-        runner.runner_session_id,
-        None,
-        None,
-        timedelta(seconds=10),
-        False,
-    )
-    reads = [
-        n
-        for n in _walk(json.loads(plan)[0]["Plan"])
-        if n.get("Relation Name") == "pending_jobs" and n["Node Type"] != "ModifyTable"
-    ]
+    reads = await claim_reads(conn, workspace, jobs)
     # Per project: one skip-scan probe and one row of its head (limit 1); then the candidate's
     # lock and the delete's primary-key probes (10 rows in all). Never a read of the 2,000.
     read = sum(n["Actual Rows"] * n["Actual Loops"] for n in reads)
@@ -201,9 +179,3 @@ async def test_q29_a_fair_claim_reads_each_projects_head_not_the_workspace(
         await conn.fetchval("SELECT count(*) FROM running_jobs WHERE workspace_id = $1", workspace)
         == 1
     )
-
-
-def _walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield node
-    for child in node.get("Plans", []):
-        yield from _walk(child)
