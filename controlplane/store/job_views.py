@@ -89,31 +89,30 @@ def _view(row: asyncpg.Record, *, with_tail: bool) -> JobView:
 
 
 # The list reads each table on its own: filtered, newest first, and cut to a page before the
-# three are merged. The tombstone check runs on a table's rows in that order only until its page
-# is full (a probe per listed row, not per pending row), and the sort carries no payload: at
-# 10,000 pending the check and the wide sort were most of the read (bench/notes.md, pages).
+# three are merged. Each table's read is one level (filter, tombstone check, order, limit), so
+# the planner can walk an index in the list's order and stop at the page: pending_jobs by
+# (enqueued_at, job_execution_id) (sql/0025), ended_executions by ended_at; the tombstone check
+# then probes only the rows it lists. Read as a sorted subquery instead, the planner sorted all
+# 10,000 pending rows of the page benchmark before the check (docs/benchmarks.md, page render).
 def _newest(columns: str, table: str, changed: str, status: str) -> str:
     """One table's page: `columns` of `table` aliased x, newest `changed` first; the labels
     filter matches nothing in the tombstones (they keep no labels)."""
     labels = "false" if status == "ended" else "x.required_labels @> $3"
     live = "" if status == "ended" else _LIVE
     return f"""(
-        SELECT * FROM (
-            SELECT {columns} FROM {table} x
-            WHERE ($2::text IS NULL OR $2 = '{status}')
-              AND ($1::uuid IS NULL OR x.workspace_id = $1)
-              AND ($3::text[] IS NULL OR {labels})
-              AND ($4::timestamptz IS NULL OR (x.{changed}, x.job_execution_id) < ($4, $5::uuid))
-            ORDER BY x.{changed} DESC, x.job_execution_id DESC
-        ) AS j
-        {live}
-        ORDER BY j.changed_at DESC, j.job_execution_id DESC
+        SELECT {columns} FROM {table} x
+        WHERE ($2::text IS NULL OR $2 = '{status}')
+          AND ($1::uuid IS NULL OR x.workspace_id = $1)
+          AND ($3::text[] IS NULL OR {labels})
+          AND ($4::timestamptz IS NULL OR (x.{changed}, x.job_execution_id) < ($4, $5::uuid))
+          {live}
+        ORDER BY x.{changed} DESC, x.job_execution_id DESC
         LIMIT $6
     )"""  # noqa: S608 -- interpolates constants only
 
 
-_LIVE = """WHERE NOT EXISTS (SELECT 1 FROM ended_executions e
-                             WHERE e.job_execution_id = j.job_execution_id)"""
+_LIVE = """AND NOT EXISTS (SELECT 1 FROM ended_executions e
+                         WHERE e.job_execution_id = x.job_execution_id)"""
 _PENDING = """
     'pending' AS status, x.job_execution_id, x.workspace_id, x.job_id, x.required_labels,
     x.enqueued_at, NULL::timestamptz AS started_at, NULL::timestamptz AS ended_at,
