@@ -298,17 +298,12 @@ async def queue_place(conn: Conn, job_execution_id: UUID) -> QueuePlace | None:
 # templates of the groups' workspaces are read once and counted per label set (the takers read
 # above, for all groups at once). Runners are first folded to (workspace, labels) with counts,
 # so each group compares against distinct label sets rather than every session.
-_GROUPS = """
-    WITH groups AS (
-        SELECT workspace_id, required_labels, count(*) AS pending,
-               min(enqueued_at) AS oldest
-        FROM pending_jobs p
-        WHERE NOT EXISTS (SELECT 1 FROM ended_executions e
-                          WHERE e.job_execution_id = p.job_execution_id)
-        GROUP BY workspace_id, required_labels
-        ORDER BY oldest, workspace_id
-        LIMIT $1
-    ), spaces AS (
+#
+# GROUP_TAKERS_CTES follow a CTE named `groups` (workspace_id, required_labels, pending, oldest)
+# and read the window from $2; GROUPS_WITH_TAKERS then answers each group with its takers. The
+# overview's one read (store/overview.py) builds its `groups` differently and shares these.
+GROUP_TAKERS_CTES = """
+    spaces AS (
         SELECT DISTINCT workspace_id FROM groups
     ), live_runners AS (
         SELECT s.workspace_id, s.labels,
@@ -340,6 +335,8 @@ _GROUPS = """
               UNION SELECT workspace_id, unnest(labels) FROM live_templates) AS o
         GROUP BY workspace_id
     )
+"""
+GROUPS_WITH_TAKERS = """
     SELECT g.workspace_id, g.required_labels, g.pending, g.oldest,
            r.live, r.busy, r.paused, r.paused_idle, t.templates,
            coalesce(o.offered, '{}') AS offered
@@ -357,21 +354,35 @@ _GROUPS = """
         WHERE lt.workspace_id = g.workspace_id AND lt.labels @> g.required_labels
     ) t
     LEFT JOIN offers o ON o.workspace_id = g.workspace_id
-    ORDER BY g.oldest, g.workspace_id
 """
+_GROUPS = f"""
+    WITH groups AS (
+        SELECT workspace_id, required_labels, count(*) AS pending,
+               min(enqueued_at) AS oldest
+        FROM pending_jobs p
+        WHERE NOT EXISTS (SELECT 1 FROM ended_executions e
+                          WHERE e.job_execution_id = p.job_execution_id)
+        GROUP BY workspace_id, required_labels
+        ORDER BY oldest, workspace_id
+        LIMIT $1
+    ), {GROUP_TAKERS_CTES}
+    {GROUPS_WITH_TAKERS}
+    ORDER BY g.oldest, g.workspace_id
+"""  # noqa: S608 -- interpolates constants only
+
+
+def group(row: asyncpg.Record) -> PendingGroup:
+    """A row of GROUPS_WITH_TAKERS's columns."""
+    return PendingGroup(
+        workspace_id=row["workspace_id"],
+        required_labels=tuple(row["required_labels"]),
+        pending=row["pending"],
+        oldest_enqueued_at=row["oldest"],
+        takers=_takers(row),
+    )
 
 
 async def pending_groups(conn: Conn, window: timedelta, limit: int = 1000) -> list[PendingGroup]:
     """Each (workspace, label set) with pending executions, oldest first, with its takers (as
     `takers` answers for one label set). One statement, reads only."""
-    rows = await conn.fetch(_GROUPS, limit, window)
-    return [
-        PendingGroup(
-            workspace_id=row["workspace_id"],
-            required_labels=tuple(row["required_labels"]),
-            pending=row["pending"],
-            oldest_enqueued_at=row["oldest"],
-            takers=_takers(row),
-        )
-        for row in rows
-    ]
+    return [group(row) for row in await conn.fetch(_GROUPS, limit, window)]
