@@ -4,10 +4,12 @@ client, round after round, interleaved with the admin API's own reads of the sam
 pending label sets and a page of jobs), so the two are measured in the same run on the same
 load. Target from issue 15: every page's p99 under 50 ms.
 
-The overview's plots are drawn once per sample by the first view after it (web/ui/plots.py), and
-a replica in this run holds only a minute of samples. So the run also times, in this process,
-drawing a full hour of samples for every workspace (the view that pays it: a miss) beside
-reading the drawn charts back (every other view: a hit).
+The overview's plots are drawn once per sample, by the replica's sampling task on a worker
+thread (web/ui/plots.py), and a replica in this run holds only a minute of samples. So the run
+also times, in this process, drawing a full hour of samples for every workspace (what each
+sample costs the replica in the background, and what a view pays in the rare case it comes
+before that drawing is done: a miss) beside reading the drawn charts back (every other view: a
+hit).
 
 `python -m bench pages` (named only; not part of the default run)."""
 
@@ -95,8 +97,8 @@ async def _signed_in(client: httpx.AsyncClient, admin: str) -> None:
 
 
 def plot_draws(rounds: int = ROUNDS) -> dict[str, Any]:
-    """A full hour of samples at the default sampling for every workspace: the time a view
-    takes to draw them after a new sample (miss), and to read them back (hit)."""
+    """A full hour of samples at the default sampling for every workspace: the time drawing
+    them takes after a new sample (miss), and reading them back (hit)."""
     every = Pages().plot_sample_seconds
     history = QueueHistory(cast(asyncpg.Pool, None), every_seconds=every, workspaces=WORKSPACES)
     spaces = [uuid.uuid4() for _ in range(WORKSPACES)]

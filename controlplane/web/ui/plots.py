@@ -4,10 +4,12 @@ Each replica keeps its own small ring per workspace, filled by one task (`QueueH
 the root task group) that reads one statement every `pages.plot_sample_seconds`
 (store/ui_reads.py `queue_sample`). A replica that just started has a short history; replicas
 sample the same database, so their plots agree. `chart` draws a series as inline SVG: no script,
-no image request. The charts are drawn at most once per sample, by the first overview after it,
-at the sample's time; later views until the next sample show those (the page says when they were
-drawn). A full hour is up to 721 points a series, and drawing 20 series on every view cost tens
-of milliseconds; a replica nobody looks at draws nothing.
+no image request. The charts are drawn once per sample, at the sample's time, by the sampling
+task on a worker thread right after it records the sample (the event loop keeps serving between
+the thread's GIL slices); every overview until the next sample shows those, and the page says
+when they were drawn. A view that comes before that drawing is done draws them itself. A full
+hour is up to 721 points a series, and drawing 20 series on every view cost tens of
+milliseconds.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from uuid import UUID
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import asyncpg
 from markupsafe import Markup
 
@@ -67,6 +70,10 @@ class QueueHistory:
                 conn, timedelta(seconds=self._every), self._workspaces
             )
         self.record(at, found)
+        samples, series = self.samples, self.series()
+        drawn = await anyio.to_thread.run_sync(_draw, at, series)
+        if self.samples == samples and self._drawn[0] != samples:
+            self._drawn = (samples, drawn)
 
     def record(self, at: datetime, found: Sequence[ui_reads.QueueSample]) -> None:
         """Add a sample: a tracked workspace absent from it had nothing pending (a zero); one
@@ -93,8 +100,7 @@ class QueueHistory:
         """The charts as of the latest sample: drawn now if this is the first call since it."""
         samples, drawn = self._drawn
         if samples != self.samples and self._at is not None:
-            at = self._at
-            drawn = Drawn(at, [_charts(space, points, at) for space, points in self.series()])
+            drawn = _draw(self._at, self.series())
             self._drawn = (self.samples, drawn)
         return drawn
 
@@ -118,11 +124,18 @@ class QueueHistory:
             await anyio.sleep(self._every)
 
 
-def _charts(workspace: UUID, points: list[Point], at: datetime) -> tuple[UUID, Markup, Markup]:
-    return (
-        workspace,
-        chart([(p.at, p.pending) for p in points], at, "Pending jobs", ""),
-        chart([(p.at, p.pickup_seconds) for p in points], at, "Pickup latency", "s"),
+def _draw(at: datetime, series: list[tuple[UUID, list[Point]]]) -> Drawn:
+    """Every series' two charts, drawn at `at`."""
+    return Drawn(
+        at,
+        [
+            (
+                workspace,
+                chart([(p.at, p.pending) for p in points], at, "Pending jobs", ""),
+                chart([(p.at, p.pickup_seconds) for p in points], at, "Pickup latency", "s"),
+            )
+            for workspace, points in series
+        ],
     )
 
 
