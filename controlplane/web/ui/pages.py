@@ -1,5 +1,6 @@
 """The pages that read: overview, jobs, one job, runners, provisioners, credentials. Each reads
-through the store's existing read models (the admin API's), and renders; none writes."""
+through the store's read models (the admin API's; the overview its own one statement,
+store/overview.py, which answers what the admin API's reads would), and renders; none writes."""
 
 from __future__ import annotations
 
