@@ -4,6 +4,13 @@ client, round after round, interleaved with the admin API's own reads of the sam
 pending label sets and a page of jobs), so the two are measured in the same run on the same
 load. Target from issue 15: every page's p99 under 50 ms.
 
+The overview's plots are drawn once per sample, by the replica's sampling task on a worker
+thread (web/ui/plots.py), and a replica in this run holds only a minute of samples. So the run
+also times, in this process, drawing a full hour of samples for every workspace (what each
+sample costs the replica in the background, and what a view pays in the rare case it comes
+before that drawing is done: a miss) beside reading the drawn charts back (every other view: a
+hit).
+
 `python -m bench pages` (named only; not part of the default run)."""
 
 from __future__ import annotations
@@ -11,8 +18,8 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from datetime import UTC, datetime
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
 import asyncpg
 import httpx
@@ -26,7 +33,10 @@ from bench.harness import (
     write_result,
 )
 from controlplane.domain.jobs import JobIdentity, NewJob
+from controlplane.settings import Pages
 from controlplane.store import credentials, queue, sessions
+from controlplane.store.ui_reads import QueueSample
+from controlplane.web.ui.plots import HOUR, QueueHistory
 
 PENDING = 10_000
 RUNNERS = 1_000
@@ -86,6 +96,35 @@ async def _signed_in(client: httpx.AsyncClient, admin: str) -> None:
     assert signed.status_code == 303, signed.text
 
 
+def plot_draws(rounds: int = ROUNDS) -> dict[str, Any]:
+    """A full hour of samples at the default sampling for every workspace: the time drawing
+    them takes after a new sample (miss), and reading them back (hit)."""
+    every = Pages().plot_sample_seconds
+    history = QueueHistory(cast(asyncpg.Pool, None), every_seconds=every, workspaces=WORKSPACES)
+    spaces = [uuid.uuid4() for _ in range(WORKSPACES)]
+    points = int(HOUR.total_seconds() // every) + 1
+    start = datetime.now(UTC) - HOUR
+    misses: list[float] = []
+    hits: list[float] = []
+    for n in range(points + rounds):
+        at = start + timedelta(seconds=n * every)
+        history.record(at, [QueueSample(w, PENDING // WORKSPACES + n, 1.0 + n % 7) for w in spaces])
+        if n < points:
+            continue
+        started = time.perf_counter()
+        drawn = history.drawn()
+        misses.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        assert history.drawn() is drawn
+        hits.append(time.perf_counter() - started)
+    return {
+        "workspaces": WORKSPACES,
+        "points_per_series": points,
+        "miss": summary_ms(misses),
+        "hit": summary_ms(hits),
+    }
+
+
 async def measure(rounds: int = ROUNDS) -> dict[str, Any]:
     with postgres() as server:
         url = await fresh_database(server)
@@ -120,6 +159,7 @@ async def measure(rounds: int = ROUNDS) -> dict[str, Any]:
         "label_sets": LABEL_SETS,
         "rounds": rounds,
         "latency": {path: summary_ms(values) for path, values in samples.items()},
+        "plots_drawn": plot_draws(rounds),
     }
 
 
@@ -128,3 +168,10 @@ async def run() -> None:
     write_result("pages", result)
     for path, row in result["latency"].items():
         print(f"{path:32} p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms")
+    plots = result["plots_drawn"]
+    for kind in ("miss", "hit"):
+        row = plots[kind]
+        print(
+            f"plots, {kind} ({plots['workspaces']} x {plots['points_per_series']} points)"
+            f"  p50 {row['p50_ms']:8.3f} ms  p99 {row['p99_ms']:8.3f} ms"
+        )

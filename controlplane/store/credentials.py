@@ -47,6 +47,15 @@ _COLUMNS = (
     "id, name, workspace_id, display_prefix, created_at, expires_at, revoked_at, revocation_reason"
 )
 _KEY_COLUMNS = f"kind, role, {_COLUMNS}"  # an API key's
+# For a read elsewhere that joins the key in (store/ui_sessions.py `by_secret`).
+API_KEY_COLUMNS = _KEY_COLUMNS
+
+
+def api_key(row: asyncpg.Record) -> Credential:
+    """The API key of a row holding API_KEY_COLUMNS."""
+    return _credential(row)
+
+
 # A manual registration token still usable: neither revoked nor expired (by the database's clock).
 _USABLE = "revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now())"
 

@@ -89,31 +89,30 @@ def _view(row: asyncpg.Record, *, with_tail: bool) -> JobView:
 
 
 # The list reads each table on its own: filtered, newest first, and cut to a page before the
-# three are merged. The tombstone check runs on a table's rows in that order only until its page
-# is full (a probe per listed row, not per pending row), and the sort carries no payload: at
-# 10,000 pending the check and the wide sort were most of the read (bench/notes.md, pages).
+# three are merged. Each table's read is one level (filter, tombstone check, order, limit), so
+# the planner can walk an index in the list's order and stop at the page: pending_jobs by
+# (enqueued_at, job_execution_id) (sql/0025), ended_executions by ended_at; the tombstone check
+# then probes only the rows it lists. Read as a sorted subquery instead, the planner sorted all
+# 10,000 pending rows of the page benchmark before the check (docs/benchmarks.md, page render).
 def _newest(columns: str, table: str, changed: str, status: str) -> str:
     """One table's page: `columns` of `table` aliased x, newest `changed` first; the labels
     filter matches nothing in the tombstones (they keep no labels)."""
     labels = "false" if status == "ended" else "x.required_labels @> $3"
     live = "" if status == "ended" else _LIVE
     return f"""(
-        SELECT * FROM (
-            SELECT {columns} FROM {table} x
-            WHERE ($2::text IS NULL OR $2 = '{status}')
-              AND ($1::uuid IS NULL OR x.workspace_id = $1)
-              AND ($3::text[] IS NULL OR {labels})
-              AND ($4::timestamptz IS NULL OR (x.{changed}, x.job_execution_id) < ($4, $5::uuid))
-            ORDER BY x.{changed} DESC, x.job_execution_id DESC
-        ) AS j
-        {live}
-        ORDER BY j.changed_at DESC, j.job_execution_id DESC
+        SELECT {columns} FROM {table} x
+        WHERE ($2::text IS NULL OR $2 = '{status}')
+          AND ($1::uuid IS NULL OR x.workspace_id = $1)
+          AND ($3::text[] IS NULL OR {labels})
+          AND ($4::timestamptz IS NULL OR (x.{changed}, x.job_execution_id) < ($4, $5::uuid))
+          {live}
+        ORDER BY x.{changed} DESC, x.job_execution_id DESC
         LIMIT $6
     )"""  # noqa: S608 -- interpolates constants only
 
 
-_LIVE = """WHERE NOT EXISTS (SELECT 1 FROM ended_executions e
-                             WHERE e.job_execution_id = j.job_execution_id)"""
+_LIVE = """AND NOT EXISTS (SELECT 1 FROM ended_executions e
+                         WHERE e.job_execution_id = x.job_execution_id)"""
 _PENDING = """
     'pending' AS status, x.job_execution_id, x.workspace_id, x.job_id, x.required_labels,
     x.enqueued_at, NULL::timestamptz AS started_at, NULL::timestamptz AS ended_at,
@@ -299,17 +298,12 @@ async def queue_place(conn: Conn, job_execution_id: UUID) -> QueuePlace | None:
 # templates of the groups' workspaces are read once and counted per label set (the takers read
 # above, for all groups at once). Runners are first folded to (workspace, labels) with counts,
 # so each group compares against distinct label sets rather than every session.
-_GROUPS = """
-    WITH groups AS (
-        SELECT workspace_id, required_labels, count(*) AS pending,
-               min(enqueued_at) AS oldest
-        FROM pending_jobs p
-        WHERE NOT EXISTS (SELECT 1 FROM ended_executions e
-                          WHERE e.job_execution_id = p.job_execution_id)
-        GROUP BY workspace_id, required_labels
-        ORDER BY oldest, workspace_id
-        LIMIT $1
-    ), spaces AS (
+#
+# GROUP_TAKERS_CTES follow a CTE named `groups` (workspace_id, required_labels, pending, oldest)
+# and read the window from $2; GROUPS_WITH_TAKERS then answers each group with its takers. The
+# overview's one read (store/overview.py) builds its `groups` differently and shares these.
+GROUP_TAKERS_CTES = """
+    spaces AS (
         SELECT DISTINCT workspace_id FROM groups
     ), live_runners AS (
         SELECT s.workspace_id, s.labels,
@@ -341,6 +335,8 @@ _GROUPS = """
               UNION SELECT workspace_id, unnest(labels) FROM live_templates) AS o
         GROUP BY workspace_id
     )
+"""
+GROUPS_WITH_TAKERS = """
     SELECT g.workspace_id, g.required_labels, g.pending, g.oldest,
            r.live, r.busy, r.paused, r.paused_idle, t.templates,
            coalesce(o.offered, '{}') AS offered
@@ -358,21 +354,35 @@ _GROUPS = """
         WHERE lt.workspace_id = g.workspace_id AND lt.labels @> g.required_labels
     ) t
     LEFT JOIN offers o ON o.workspace_id = g.workspace_id
-    ORDER BY g.oldest, g.workspace_id
 """
+_GROUPS = f"""
+    WITH groups AS (
+        SELECT workspace_id, required_labels, count(*) AS pending,
+               min(enqueued_at) AS oldest
+        FROM pending_jobs p
+        WHERE NOT EXISTS (SELECT 1 FROM ended_executions e
+                          WHERE e.job_execution_id = p.job_execution_id)
+        GROUP BY workspace_id, required_labels
+        ORDER BY oldest, workspace_id
+        LIMIT $1
+    ), {GROUP_TAKERS_CTES}
+    {GROUPS_WITH_TAKERS}
+    ORDER BY g.oldest, g.workspace_id
+"""  # noqa: S608 -- interpolates constants only
+
+
+def group(row: asyncpg.Record) -> PendingGroup:
+    """A row of GROUPS_WITH_TAKERS's columns."""
+    return PendingGroup(
+        workspace_id=row["workspace_id"],
+        required_labels=tuple(row["required_labels"]),
+        pending=row["pending"],
+        oldest_enqueued_at=row["oldest"],
+        takers=_takers(row),
+    )
 
 
 async def pending_groups(conn: Conn, window: timedelta, limit: int = 1000) -> list[PendingGroup]:
     """Each (workspace, label set) with pending executions, oldest first, with its takers (as
     `takers` answers for one label set). One statement, reads only."""
-    rows = await conn.fetch(_GROUPS, limit, window)
-    return [
-        PendingGroup(
-            workspace_id=row["workspace_id"],
-            required_labels=tuple(row["required_labels"]),
-            pending=row["pending"],
-            oldest_enqueued_at=row["oldest"],
-            takers=_takers(row),
-        )
-        for row in rows
-    ]
+    return [group(row) for row in await conn.fetch(_GROUPS, limit, window)]

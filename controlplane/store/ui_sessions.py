@@ -78,21 +78,25 @@ async def _insert_secret(conn: Conn, table: str, api_key_id: UUID, ttl: timedelt
 
 
 async def by_secret(conn: Conn, raw: str) -> SignedIn | None:
-    """The unexpired, not signed-out session of the cookie's secret, with its key."""
+    """The unexpired, not signed-out session of the cookie's secret, with its key. One
+    statement: every page view makes this check first."""
     row = await row_by_digest(
         conn,
-        """
-        SELECT id, api_key_id, token_sha256 FROM ui_sessions
-        WHERE token_sha256 = $1 AND signed_out_at IS NULL AND expires_at > now()
-        """,
+        f"""
+        SELECT s.id AS session_id, s.token_sha256, k.*
+        FROM ui_sessions s
+        CROSS JOIN LATERAL (SELECT {credentials.API_KEY_COLUMNS} FROM api_keys a
+                            WHERE a.id = s.api_key_id) AS k
+        WHERE s.token_sha256 = $1 AND s.signed_out_at IS NULL AND s.expires_at > now()
+        """,  # noqa: S608 -- interpolates constants only: API_KEY_COLUMNS
         digest(raw),
     )
     if row is None:
         return None
-    key = await credentials.api_key_by_id(conn, row["api_key_id"])
-    if key is None or key.kind != "admin":
+    key = credentials.api_key(row)
+    if key.kind != "admin":
         return None
-    return SignedIn(session_id=row["id"], key=key)
+    return SignedIn(session_id=row["session_id"], key=key)
 
 
 async def sign_out(conn: Conn, session_id: UUID) -> None:

@@ -29,6 +29,9 @@ async def test_a_session_is_stored_as_its_digest_and_found_by_its_secret(conn: C
     assert stored == hashlib.sha256(secret.encode()).hexdigest() and secret not in stored
     found = await ui_sessions.by_secret(conn, secret)
     assert found is not None and found.key.id == key
+    # The key read with the session is the key as its own lookup reads it, role included.
+    assert found.key == await credentials.api_key_by_id(conn, key)
+    assert found.session_id == await conn.fetchval("SELECT id FROM ui_sessions")
     assert await ui_sessions.by_secret(conn, secret + "x") is None
 
 

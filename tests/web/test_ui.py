@@ -108,6 +108,7 @@ async def test_every_page_renders_and_a_stuck_job_says_why(api: Api) -> None:
         overview = await client.get("/ui/")
         assert 'class="stuck"' in overview.text and "gpu" in overview.text
         assert f"<code>{api.workspace}</code></td><td><svg" in overview.text
+        assert "Drawn at this replica's latest sample" in overview.text
         job = await client.get(f"/ui/jobs/{stuck['job_execution_id']}")
         assert job.status_code == 200
         assert "Stuck:" in job.text and "TOKEN" in job.text and "s3cr3t-v4lue" not in job.text

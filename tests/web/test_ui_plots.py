@@ -58,3 +58,30 @@ def test_a_chart_is_inline_svg_with_gaps_and_says_what_it_shows() -> None:
     assert "at most 4 s" in svg and "Pickup &lt;latency&gt;" in svg and "<latency>" not in svg
     empty = str(chart([], NOW, "Pending jobs", ""))
     assert "no data yet" in empty and "<polyline" not in empty
+
+
+def test_charts_are_drawn_once_per_sample_at_the_samples_time() -> None:
+    ring = history()
+    assert ring.drawn().at is None and ring.drawn().charts == []
+    busy, quiet = uuid4(), uuid4()
+    for minute in range(3):
+        ring.record(
+            NOW + timedelta(minutes=minute),
+            [QueueSample(busy, 7, 1.5), QueueSample(quiet, 2, None)],
+        )
+    drawn = ring.drawn()
+    latest = NOW + timedelta(minutes=2)
+    assert drawn.at == latest
+    # What drawing the series at the sample's time gives, in the series' order.
+    assert drawn.charts == [
+        (
+            workspace,
+            chart([(p.at, p.pending) for p in points], latest, "Pending jobs", ""),
+            chart([(p.at, p.pickup_seconds) for p in points], latest, "Pickup latency", "s"),
+        )
+        for workspace, points in ring.series()
+    ]
+    assert [w for w, _, _ in drawn.charts] == [busy, quiet]
+    assert ring.drawn() is drawn  # page views between samples draw nothing
+    ring.record(NOW + timedelta(minutes=3), [QueueSample(busy, 1, None)])
+    assert ring.drawn() is not drawn and ring.drawn().at == NOW + timedelta(minutes=3)

@@ -1,13 +1,13 @@
 """The pages that read: overview, jobs, one job, runners, provisioners, credentials. Each reads
-through the store's existing read models (the admin API's), and renders; none writes."""
+through the store's read models (the admin API's; the overview its own one statement,
+store/overview.py, which answers what the admin API's reads would), and renders; none writes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from uuid import UUID
 
-from markupsafe import Markup
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -24,8 +24,8 @@ from controlplane.store import (
     queries,
     ui_reads,
 )
+from controlplane.store.overview import overview as overview_read
 from controlplane.web.jobs import TAKER_WINDOW
-from controlplane.web.ui.plots import chart
 from controlplane.web.ui.render import masked, page
 from controlplane.web.ui.sessions import Deps, signed_in
 
@@ -50,17 +50,11 @@ class QueueRow:
 
 async def overview(svc: Deps, request: Request) -> Response:
     who = await signed_in(svc, request)
-    limit = svc.settings.pages.list_limit
     async with svc.pool.acquire() as conn:
-        groups = await job_views.pending_groups(conn, TAKER_WINDOW, limit)
-        runners = await queries.active_runners(conn, None, TAKER_WINDOW, limit)
-        spaces = list(
-            dict.fromkeys([g.workspace_id for g in groups] + [r.workspace_id for r in runners])
-        )
-        counts = await queries.workspace_counts(conn, spaces)
-        depth = await queries.depth(conn)
-        paused, _ = await pauses.paused_among(conn, spaces, [])
-    by_group = {(g.workspace_id, g.required_labels): g for g in groups}
+        read = await overview_read(conn, TAKER_WINDOW, svc.settings.pages.list_limit)
+    counts, paused = read.workspaces, read.paused
+    drawn = svc.history.drawn()
+    by_group = {(g.workspace_id, g.required_labels): g for g in read.groups}
     rows = []
     for space in counts:
         for labels in space.labels:
@@ -89,26 +83,14 @@ async def overview(svc: Deps, request: Request) -> Response:
         {
             "rows": rows,
             "workspaces": [(space.workspace_id, space.workspace_id in paused) for space in counts],
-            "depth": depth,
-            "runners": len(runners),
-            "plots": _plots(svc),
+            "depth": read.depth,
+            "runners": read.live_runners,
+            "plots": drawn.charts,
+            "plots_drawn_at": drawn.at,
             "sample_seconds": svc.settings.pages.plot_sample_seconds,
             "live": True,
         },
     )
-
-
-def _plots(svc: Deps) -> list[tuple[UUID, Markup, Markup]]:
-    """Each sampled workspace's pending count and pickup latency over the last hour."""
-    now = datetime.now(UTC)
-    return [
-        (
-            workspace,
-            chart([(p.at, p.pending) for p in points], now, "Pending jobs", ""),
-            chart([(p.at, p.pickup_seconds) for p in points], now, "Pickup latency", "s"),
-        )
-        for workspace, points in svc.history.series()
-    ]
 
 
 def _uuid(raw: str | None, field: str) -> UUID | None:
