@@ -120,6 +120,9 @@ class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     reservation_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 60
     reservation_ttl_max_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 600
     demand_safety_tick_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=600)] = 2.0
+    # An installation walk leaves out covered, unchanged workspaces (issue 16) but visits every
+    # one this often all the same.
+    demand_full_walk_seconds: Annotated[float, msgspec.Meta(ge=1, le=86_400)] = 60.0
     active_window_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 120
     bootstrap_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
     control_session_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 3600
