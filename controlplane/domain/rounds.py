@@ -36,6 +36,9 @@ class WorkspaceRound:
     terminate_intents: tuple[TerminateIntent, ...] = ()
     terminate_truncated: bool = False
     covered: bool = False  # nothing of this provisioner's left to do (`demand.covers`)
+    # A walk's round: the fingerprint of the workspace's live reservations as it left them
+    # (`WalkEntry.reservations`, read in its transaction).
+    reservations: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -284,12 +284,17 @@ async def allocate_workspace(
 # --- installation scope --------------------------------------------------------------------------
 
 
+# A fingerprint of one workspace's live reservations (ids and counts; text, a numeric sum): equal
+# fingerprints, the same live reservations, for `WalkEntry` and a walk's `WorkspaceRound`.
+_FINGERPRINT = """SELECT coalesce(sum(hashtextextended(r.id::text || ':' || r.count, 0)), 0)::text
+          FROM reservations r WHERE r.workspace_id = {workspace} AND r.expires_at > now()"""
+
 # The workspaces an installation walk lists, from `workspace_demand` (sql/0022): for each row, the
 # oldest pending job not past its queue deadline, one probe of pending_jobs_workspace_oldest_idx
 # (NULL: none, so no demand: every job is gone or past its deadline, the workspace is not
 # listed, and the row is a candidate for `prune_demand`). $1 the workspaces to consider (NULL:
 # all), $2 the limit, $3 the provisioner whose eligibility applies (NULL: none).
-_WALK_LIST = """
+_WALK_LIST = f"""
 WITH probed AS MATERIALIZED (
     SELECT d.workspace_id, o.oldest
       FROM workspace_demand d
@@ -310,13 +315,11 @@ WITH probed AS MATERIALIZED (
      ORDER BY w.oldest, w.workspace_id LIMIT $2
 )
 SELECT l.workspace_id, l.oldest,
-       (SELECT coalesce(sum(hashtextextended(r.id::text || ':' || r.count, 0)), 0)
-          FROM reservations r
-         WHERE r.workspace_id = l.workspace_id AND r.expires_at > now())::text AS reserved
+       ({_FINGERPRINT.format(workspace="l.workspace_id")}) AS reserved
   FROM listed l
 UNION ALL
 SELECT w.workspace_id, NULL, NULL FROM probed w WHERE w.oldest IS NULL
-"""
+"""  # noqa: S608 -- interpolates a constant only: _FINGERPRINT
 
 
 async def walk_list(
@@ -420,14 +423,18 @@ async def allocate_in_walk(
     grants, which let a skipped workspace's slots be granted again elsewhere. Bound runners take
     no slot (they already run).
 
+    The round carries the fingerprint of the workspace's live reservations as it leaves them
+    (`WorkspaceRound.reservations`, read after its writes under the workspace lock), so a walk
+    that granted can tell next time that nothing changed since (actors/provisioning/changes.py).
+
     Locks: runs in the caller's transaction, after the session's fencing row
-    (store/provisioning.py opens it), then those of `allocate_workspace`; a walk holds no lock
-    from one workspace to the next.
+    (store/provisioning.py opens it), then those of `allocate_workspace`; the fingerprint's read
+    takes none. A walk holds no lock from one workspace to the next.
     """
     advertised = tuple(replace(t, labels=canonicalise(t.labels)) for t in templates)
     pending = await outstanding_grants(conn, provisioner_id)
     elsewhere = [(r, n) for r, n in pending if r.workspace_id != workspace_id]
-    return await allocate_workspace(
+    result = await allocate_workspace(
         conn,
         provisioner_id=provisioner_id,
         scope=Scope.INSTALLATION,
@@ -440,3 +447,7 @@ async def allocate_in_walk(
         try_lock=True,
         activation_timeout=activation_timeout,
     )
+    if result is None:
+        return None
+    fingerprint = await conn.fetchval(_FINGERPRINT.format(workspace="$1"), workspace_id)
+    return replace(result, reservations=int(fingerprint))

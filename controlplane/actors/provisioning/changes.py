@@ -20,9 +20,11 @@ a workspace that is *covered and unchanged*, which could grant or bind nothing:
   `DemandBoard` marks it here (`changed`). `reserved` falls when a reservation of the workspace
   expires, is given back (a first claim, a release, a failed push) or is cleaned up: the walk's
   list carries a fingerprint of the workspace's live reservations, read at the list's snapshot,
-  and a different one means changed. The templates change only with an advertisement, which
-  forgets everything (`resync`). Eligibility and pauses only add or remove list entries, and a
-  workspace that leaves the list is forgotten, so it is walked when it comes back.
+  and it must equal the one the workspace's last round left (read in that round's transaction,
+  under the workspace lock, after its own grants). The templates change only with an
+  advertisement, which forgets everything (`resync`). Eligibility and pauses only add or remove
+  list entries, and a workspace that leaves the list is forgotten, so it is walked when it
+  comes back.
 
 A notification that arrives while a round runs is kept for the next one, and wakes the actor,
 so a change that the round's list already showed but its memory did not is walked at most one
@@ -83,7 +85,9 @@ class WalkMemory:
     def walked(self, entry: WalkEntry, result: WorkspaceRound | None) -> None:
         """Remember a walked workspace while it stays covered (None: skipped as busy)."""
         if result is not None and result.covered:
-            self._covered[entry.workspace_id] = (entry.reservations, result)
+            # The fingerprint the round left (its own grants included), else the list's.
+            after = entry.reservations if result.reservations is None else result.reservations
+            self._covered[entry.workspace_id] = (after, result)
         else:
             self._covered.pop(entry.workspace_id, None)
 
