@@ -28,12 +28,16 @@ CREATE INDEX pending_jobs_workspace_oldest_idx
 CREATE FUNCTION cp_workspace_demand_added() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_advisory_xact_lock_shared(
-                ('x' || left(md5('cp_workspace_demand:' || w.workspace_id::text), 16))
-                    ::bit(64)::bigint)
-       FROM (SELECT DISTINCT workspace_id FROM added ORDER BY 1) AS w;
+    -- One statement: each workspace's key is taken (lateral, row by row) before its row is
+    -- inserted. Measured against the same enqueues without the trigger, a PERFORM of the keys
+    -- and an INSERT as two statements cost about a fifth more per enqueue; this one did not
+    -- measurably differ.
     INSERT INTO workspace_demand (workspace_id)
-    SELECT DISTINCT workspace_id FROM added ORDER BY 1
+    SELECT w.workspace_id
+      FROM (SELECT DISTINCT workspace_id FROM added ORDER BY 1) AS w,
+           LATERAL pg_advisory_xact_lock_shared(
+               ('x' || left(md5('cp_workspace_demand:' || w.workspace_id::text), 16))
+                   ::bit(64)::bigint) AS held
     ON CONFLICT (workspace_id) DO NOTHING;
     RETURN NULL;
 END

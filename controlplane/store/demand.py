@@ -289,30 +289,29 @@ async def allocate_workspace(
 _FINGERPRINT = """SELECT coalesce(sum(hashtextextended(r.id::text || ':' || r.count, 0)), 0)::text
           FROM reservations r WHERE r.workspace_id = {workspace} AND r.expires_at > now()"""
 
-# The workspaces an installation walk lists, from `workspace_demand` (sql/0022): for each row, the
-# oldest pending job not past its queue deadline, one probe of pending_jobs_workspace_oldest_idx
-# (NULL: none, so no demand: every job is gone or past its deadline, the workspace is not
-# listed, and the row is a candidate for `prune_demand`). $1 the workspaces to consider (NULL:
-# all), $2 the limit, $3 the provisioner whose eligibility applies (NULL: none).
+# The workspaces an installation walk lists, from `workspace_demand` (sql/0022): for each row of a
+# workspace that is not paused and that the eligibility admits, the oldest pending job not past
+# its queue deadline, one probe of pending_jobs_workspace_oldest_idx (NULL: none, so no demand:
+# every job is gone or past its deadline, the workspace is not listed, and the row is a
+# candidate for `prune_demand`). $1 the workspaces to consider (NULL: all), $2 the limit, $3 the
+# provisioner whose eligibility applies (NULL: none).
 _WALK_LIST = f"""
 WITH probed AS MATERIALIZED (
     SELECT d.workspace_id, o.oldest
       FROM workspace_demand d
+      LEFT JOIN provisioner_eligibility e ON e.provisioner_id = $3
       LEFT JOIN LATERAL (
           SELECT p.created_at AS oldest FROM pending_jobs p
            WHERE p.workspace_id = d.workspace_id
              AND (p.expires_at IS NULL OR p.expires_at > now())
            ORDER BY p.created_at LIMIT 1) o ON true
-     WHERE $1::uuid[] IS NULL OR d.workspace_id = ANY($1::uuid[])
-), listed AS (
-    SELECT w.workspace_id, w.oldest
-      FROM probed w
-      LEFT JOIN provisioner_eligibility e ON e.provisioner_id = $3
-     WHERE w.oldest IS NOT NULL
-       AND NOT EXISTS (SELECT 1 FROM paused_workspaces pw WHERE pw.workspace_id = w.workspace_id)
+     WHERE ($1::uuid[] IS NULL OR d.workspace_id = ANY($1::uuid[]))
+       AND NOT EXISTS (SELECT 1 FROM paused_workspaces pw WHERE pw.workspace_id = d.workspace_id)
        AND (e.provisioner_id IS NULL
-            OR (e.mode = 'allow') = (w.workspace_id = ANY(e.workspace_ids)))
-     ORDER BY w.oldest, w.workspace_id LIMIT $2
+            OR (e.mode = 'allow') = (d.workspace_id = ANY(e.workspace_ids)))
+), listed AS (
+    SELECT workspace_id, oldest FROM probed WHERE oldest IS NOT NULL
+     ORDER BY oldest, workspace_id LIMIT $2
 )
 SELECT l.workspace_id, l.oldest,
        ({_FINGERPRINT.format(workspace="l.workspace_id")}) AS reserved
