@@ -352,7 +352,7 @@ class Daemon:
         def reconnected() -> None:
             dispatcher.paused.forget()
             dispatcher.wake_all()
-            demand.wake_all()
+            demand.resync()
             cancels.wake_all()
             feed.poke()
 

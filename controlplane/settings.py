@@ -128,6 +128,9 @@ class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     demand_sweep_pending_cap: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1000
     # A provisioner actor's round at least this often, woken or not (the slow safety net).
     demand_full_round_seconds: Annotated[float, msgspec.Meta(ge=1, le=3600)] = 600.0
+    # An installation walk leaves out covered, unchanged workspaces (issue 16) but visits every
+    # one this often all the same.
+    demand_full_walk_seconds: Annotated[float, msgspec.Meta(ge=1, le=86_400)] = 60.0
     active_window_seconds: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 120
     bootstrap_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
     control_session_ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 3600

@@ -335,6 +335,24 @@ def allocate(inputs: AllocationInputs, *, now: datetime) -> Allocation:
     return Allocation(tuple(stats), tuple(new), slots.remaining(), remaining_max, rebound)
 
 
+def covers(inputs: AllocationInputs, allocation: Allocation) -> bool:
+    """Whether the round left nothing for this provisioner in the workspace: every demand
+    group is either reserved in full after it (live units, any provisioner's, at least the
+    queued count) or matches none of the provisioner's templates. A group left to the
+    workspace's own provisioners (`covering_labels`) is not covered: that ends with time alone.
+    Only a new pending job, a change of the workspace's live reservations or of the templates
+    can make a covered workspace's next round grant or bind anything (`allocate` gives nothing
+    to a group whose units are all reserved)."""
+    reserved = {s.labels: s.reserved for s in allocation.stats}
+    for group in inputs.demand:
+        if group.labels in reserved:
+            if reserved[group.labels] < group.queued:
+                return False
+        elif any(matches(group.labels, t.labels) for t in inputs.templates):
+            return False  # left to the covering provisioners
+    return True
+
+
 def without_pending(
     templates: Sequence[Template], pending: Iterable[tuple[Reservation, int]]
 ) -> tuple[Template, ...]:

@@ -35,3 +35,16 @@ class WorkspaceRound:
     rebound: int  # of those, runners launched for demand (activation outcome metric)
     terminate_intents: tuple[TerminateIntent, ...] = ()
     terminate_truncated: bool = False
+    covered: bool = False  # nothing of this provisioner's left to do (`demand.covers`)
+    # A walk's round: the fingerprint of the workspace's live reservations as it left them
+    # (`WalkEntry.reservations`, read in its transaction).
+    reservations: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WalkEntry:
+    """One workspace an installation walk lists, with a fingerprint of its live reservations
+    (their ids and counts): equal fingerprints, the same live reservations."""
+
+    workspace_id: UUID
+    reservations: int

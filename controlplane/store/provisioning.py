@@ -27,7 +27,7 @@ from controlplane.domain.demand import Reservation, Template
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.provisioners import Fence, Provisioner
 from controlplane.domain.reports import ReconcileOutcome, ReportOutcome, RunnerEvent
-from controlplane.domain.rounds import WorkspaceRound
+from controlplane.domain.rounds import WalkEntry, WorkspaceRound
 from controlplane.domain.runner_instances import ProvisionedRunner
 from controlplane.errors import Fenced
 from controlplane.store import (
@@ -113,6 +113,15 @@ class SessionStore:
         read afresh by every walk: an operator's change applies from the next round on."""
         async with self.pool.acquire() as conn:
             return await demand.demand_workspaces(conn, provisioner_id=self.provisioner.id)
+
+    async def walk_workspaces(self) -> list[WalkEntry]:
+        """`demand_workspaces` with each workspace's reservation fingerprint, for a walk that
+        skips what did not change (actors/provisioning/changes.py); prunes the summary rows of
+        workspaces left without pending jobs, in a transaction of its own."""
+        async with self.pool.acquire() as conn:
+            entries, empty = await demand.walk_list(conn, provisioner_id=self.provisioner.id)
+            await demand.prune_demand(conn, empty)
+        return entries
 
     async def allocate_in_walk(
         self, workspace_id: UUID, terms: RoundTerms

@@ -334,6 +334,7 @@ def _limits(svc: Deps) -> Limits:
         ephemeral_ttl=timedelta(seconds=knobs.ephemeral_token_ttl_seconds),
         reserved_labels=svc.reserved_labels,
         installation_fair_share=knobs.installation_fair_share,
+        full_walk_seconds=knobs.demand_full_walk_seconds,
         divergence_by_template=knobs.divergence_by_template,
     )
 

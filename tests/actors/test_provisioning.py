@@ -31,7 +31,7 @@ from controlplane.domain.demand import (
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.provisioners import Provisioner
 from controlplane.domain.reports import ReconcileOutcome, ReportOutcome, RunnerEvent
-from controlplane.domain.rounds import Grant, WorkspaceRound
+from controlplane.domain.rounds import Grant, WalkEntry, WorkspaceRound
 from controlplane.domain.runner_instances import ProvisionedRunner
 from controlplane.errors import Fenced, InvalidInput
 from controlplane.store.ephemeral import MintedToken
@@ -116,8 +116,8 @@ class FakeStore:
     async def allocate_workspace(self, workspace_id: UUID, terms: RoundTerms) -> WorkspaceRound:
         return await self._allocate(workspace_id, terms)
 
-    async def demand_workspaces(self) -> list[UUID]:
-        return [w for w, n in self.queued.items() if n]
+    async def walk_workspaces(self) -> list[WalkEntry]:
+        return [WalkEntry(w, 0) for w, n in self.queued.items() if n]
 
     async def allocate_in_walk(
         self, workspace_id: UUID, terms: RoundTerms
@@ -464,12 +464,21 @@ def test_the_board_wakes_the_workspaces_actors_and_every_installation_actor_only
         def wake(self) -> None:
             woken.append(self.name)
 
+        def demand_changed(self, workspace_id: uuid.UUID) -> None:
+            changed.append(workspace_id)
+            self.wake()
+
+        def resync(self) -> None:
+            woken.append(f"{self.name}!")
+
+    changed: list[uuid.UUID] = []
     board = DemandBoard()
     probes = [Probe("a", first), Probe("b", first), Probe("c", second), Probe("i", None)]
     for probe in probes:
         board.add(cast(ProvisionerActor, probe))
     board.wake_workspace(first)
     assert sorted(woken) == ["a", "b", "i"]
+    assert changed == [first]  # the installation actor is told which workspace changed
     woken.clear()
     board.wake_workspace(uuid.uuid4())
     assert woken == ["i"]
@@ -481,4 +490,7 @@ def test_the_board_wakes_the_workspaces_actors_and_every_installation_actor_only
     woken.clear()
     board.wake_all()
     assert sorted(woken) == ["b", "c"]
+    woken.clear()
+    board.resync()
+    assert sorted(woken) == ["b!", "c!"]
     assert len(board) == 2

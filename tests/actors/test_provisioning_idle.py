@@ -19,7 +19,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from controlplane.actors.provisioning import DemandBoard, DemandPush, DemandSweep, ProvisionerActor
 from controlplane.domain.demand import Reservation
-from controlplane.domain.rounds import WorkspaceRound
+from controlplane.domain.rounds import WalkEntry, WorkspaceRound
 from controlplane.store.demand_sweep import Figures, SweptSession
 from controlplane.store.provisioning import RoundTerms
 from tests.actors.test_provisioning import LIMITS, NOW, FakeStore, provisioner, template
@@ -52,9 +52,9 @@ class CountingStore(FakeStore):
         self._called("allocate_workspace")
         return await super().allocate_workspace(workspace_id, terms)
 
-    async def demand_workspaces(self) -> list[UUID]:
-        self._called("demand_workspaces")
-        return await super().demand_workspaces()
+    async def walk_workspaces(self) -> list[WalkEntry]:
+        self._called("walk_workspaces")
+        return await super().walk_workspaces()
 
     async def outstanding_grants(self) -> list[tuple[Reservation, int]]:
         self._called("outstanding_grants")

@@ -23,7 +23,7 @@ from controlplane.domain.binding import Scope
 from controlplane.domain.demand import Template
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.provisioners import Provisioner
-from controlplane.domain.rounds import WorkspaceRound
+from controlplane.domain.rounds import WalkEntry, WorkspaceRound
 from controlplane.domain.terminate_intents import TerminateIntent, TerminateReason
 from controlplane.store import demand, demand_inputs, locks, provisioner_sessions
 from controlplane.store.pool import Conn
@@ -658,9 +658,10 @@ class WalkStore(SessionStore):
         self.abort_at = abort_at
         self.asked = 0
 
-    async def demand_workspaces(self) -> list[UUID]:
+    async def walk_workspaces(self) -> list[WalkEntry]:
         async with self.pool.acquire() as conn:
-            return await demand.demand_workspaces(conn, self.eligible)
+            entries, _ = await demand.walk_list(conn, self.eligible)
+            return entries
 
     async def allocate_in_walk(
         self, workspace_id: UUID, terms: RoundTerms

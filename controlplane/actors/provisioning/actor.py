@@ -19,6 +19,10 @@ rounds of one provisioner never interleave. A round runs when:
 
 Between those it sleeps and costs the database nothing.
 
+An installation provisioner's walk leaves out the workspaces that were covered and have not
+changed since (changes.py): `demand_changed` marks one, `resync` (an advertisement, a
+reconnected listener) and `provisioners.demand_full_walk_seconds` walk them all.
+
 After a round the actor pushes demand (`send`) when it has something new to say: grants, warm
 launches, terminate intents that changed, or demand figures that changed. If the push fails
 (the socket is gone), the grants it carried are deleted again, so demand no provisioner heard of
@@ -40,6 +44,7 @@ from uuid import UUID
 import anyio
 
 from controlplane import metrics
+from controlplane.actors.provisioning.changes import WalkMemory
 from controlplane.actors.provisioning.rounds import (
     ProvisioningStore,
     RoundOutcome,
@@ -93,6 +98,7 @@ class Limits:
     ephemeral_ttl: timedelta
     reserved_labels: LabelSet
     installation_fair_share: bool = False  # an installation walk shares slots across workspaces
+    full_walk_seconds: float = 60.0  # an installation walk visits every workspace this often
     divergence_by_template: bool = False  # label count divergence with the template key
 
 
@@ -157,6 +163,7 @@ class ProvisionerActor:
         # Monotonic times at which a round may find something new with nobody waking the actor
         # (reservations it made expiring, instances it created timing out).
         self._deadlines: list[float] = []
+        self._walks = WalkMemory(limits.full_walk_seconds)  # installation scope only
 
     @property
     def scope(self) -> Scope:
@@ -168,6 +175,16 @@ class ProvisionerActor:
     def wake(self) -> None:
         self._woken = True
         self._wake.set()
+
+    def demand_changed(self, workspace_id: UUID) -> None:
+        """A workspace's demand may have grown: walk it next round (and wake)."""
+        self._walks.changed(workspace_id)
+        self.wake()
+
+    def resync(self) -> None:
+        """Notifications may have been lost: walk every workspace next round (and wake)."""
+        self._walks.resync()
+        self.wake()
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -197,7 +214,7 @@ class ProvisionerActor:
         )
         self._advertisement = Advertisement(templates, max_reservations, ttl)
         self._fresh_advertisement = True
-        self.wake()
+        self.resync()  # new templates: what was covered may not be
         await self._count_divergence(ads)
         return len(templates)
 
@@ -411,7 +428,7 @@ class ProvisionerActor:
             assert self.provisioner.workspace_id is not None
             return await workspace_round(self.store, self.provisioner.workspace_id, terms)
         outcome = RoundOutcome(remaining=advertisement.templates)
-        await installation_walk(self.store, terms, outcome)
+        await installation_walk(self.store, terms, outcome, self._walks, anyio.current_time())
         return outcome
 
     async def _warm(self, advertisement: Advertisement, outcome: RoundOutcome) -> list[WarmLaunch]:

@@ -51,8 +51,14 @@ class DemandBoard:
         for actor in self._by_workspace.get(workspace_id, ()):
             actor.wake()
         for actor in self._installation:
-            actor.wake()
+            actor.demand_changed(workspace_id)
 
     def wake_all(self) -> None:
         for actor in self._actors:
             actor.wake()
+
+    def resync(self) -> None:
+        """Notifications may have been lost (the listener reconnected): every actor runs a
+        round, and installation walks visit every workspace."""
+        for actor in self._actors:
+            actor.resync()

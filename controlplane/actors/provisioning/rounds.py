@@ -22,6 +22,7 @@ from typing import Protocol
 from uuid import UUID
 
 from controlplane import metrics
+from controlplane.actors.provisioning.changes import WalkMemory
 from controlplane.domain.assignment import Batch
 from controlplane.domain.demand import (
     Reservation,
@@ -32,7 +33,7 @@ from controlplane.domain.demand import (
 )
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.reports import ReconcileOutcome, ReportOutcome, RunnerEvent
-from controlplane.domain.rounds import Grant, WorkspaceRound
+from controlplane.domain.rounds import Grant, WalkEntry, WorkspaceRound
 from controlplane.domain.runner_instances import ProvisionedRunner
 from controlplane.domain.terminate_intents import TerminateReason
 from controlplane.store.ephemeral import MintedToken
@@ -51,7 +52,7 @@ class ProvisioningStore(Protocol):
 
     async def allocate_workspace(self, workspace_id: UUID, terms: RoundTerms) -> WorkspaceRound: ...
 
-    async def demand_workspaces(self) -> list[UUID]: ...
+    async def walk_workspaces(self) -> list[WalkEntry]: ...
 
     async def allocate_in_walk(
         self, workspace_id: UUID, terms: RoundTerms
@@ -116,6 +117,7 @@ class RoundOutcome:
     remaining: tuple[Template, ...]
     rounds: list[WorkspaceRound] = field(default_factory=list)
     skipped: list[UUID] = field(default_factory=list)  # busy workspaces of a walk
+    unchanged: list[UUID] = field(default_factory=list)  # covered and unchanged: not walked
 
     def record(self, result: WorkspaceRound) -> None:
         """Add one committed workspace transaction."""
@@ -171,7 +173,11 @@ async def workspace_round(
 
 
 async def installation_walk(
-    store: ProvisioningStore, terms: RoundTerms, outcome: RoundOutcome
+    store: ProvisioningStore,
+    terms: RoundTerms,
+    outcome: RoundOutcome,
+    memory: WalkMemory | None = None,
+    now: float = 0.0,
 ) -> None:
     """Spec 3.5: each workspace with pending jobs, oldest demand first, in its own fenced
     transaction, carrying the budget to the next; `outcome` records each as it commits.
@@ -180,17 +186,32 @@ async def installation_walk(
     With `terms.fair_share` (`provisioners.installation_fair_share`, issue 14) a workspace may
     take at most its even share of what is left (`walk_share`), so one busy workspace cannot
     take every slot while others wait; what a workspace leaves unused passes to the ones after
-    it in this walk. Without it the oldest demand may take all (spec 3.5)."""
+    it in this walk. Without it the oldest demand may take all (spec 3.5).
+
+    With `memory` (issue 16, changes.py; `now` its monotonic clock) a listed workspace that was
+    covered when last walked and has not changed since keeps its place in the order and in the
+    fair share but runs no transaction: it would have granted and bound nothing and used none
+    of the budget, so every other workspace's round is what the full walk gives it. Its demand
+    figures are those of its last walk (`WalkMemory.carried`)."""
     budget = terms.max_reservations
     capacity = walk_capacity(terms.templates, budget)
-    workspaces = await store.demand_workspaces()
-    for index, workspace_id in enumerate(workspaces):
+    entries = await store.walk_workspaces()
+    unchanged = memory.plan(entries, now) if memory is not None else frozenset()
+    for index, entry in enumerate(entries):
         if budget <= 0:
             break
+        workspace_id = entry.workspace_id
+        if workspace_id in unchanged:
+            assert memory is not None
+            outcome.record(memory.carried(workspace_id))
+            outcome.unchanged.append(workspace_id)
+            continue
         cap = budget
         if terms.fair_share:
-            cap = min(budget, walk_share(capacity, len(workspaces) - index))
+            cap = min(budget, walk_share(capacity, len(entries) - index))
         result = await store.allocate_in_walk(workspace_id, replace(terms, max_reservations=cap))
+        if memory is not None:
+            memory.walked(entry, result)
         if result is None:
             outcome.skipped.append(workspace_id)
             continue

@@ -1,0 +1,106 @@
+"""Which workspaces an installation provisioner's walk must visit: those whose demand may have
+changed since its last round, those the last round left uncovered, and every one on a slow
+periodic full walk (`provisioners.demand_full_walk_seconds`) or after a resync.
+
+The walk still lists every workspace with demand, oldest first (store/demand.py reads that list
+from the `workspace_demand` summary, at a cost per workspace with demand), and still counts each
+listed workspace for the fair share of the ones after it. It only leaves out the transaction of
+a workspace that is *covered and unchanged*, which could grant or bind nothing:
+
+* covered: the last time this provisioner walked it (committed, not skipped as busy), every
+  demand group was reserved in full or matched none of its templates (`domain.demand.covers`;
+  a group left to the workspace's own provisioners by the covering window is never covered,
+  since that changes with time alone). `allocate` grants a group `queued - reserved` at most,
+  so a covered workspace's round grants nothing, binds nothing, uses none of the budget and
+  draws no slot, whatever the budget, the slots left or the idle runners are.
+* unchanged: nothing that could raise `queued - reserved` happened since. `queued` grows only
+  when a row enters pending_jobs (enqueue, put-back, retry), or when a concurrency key frees a
+  slot and one of its waiting jobs becomes startable, or when a paused workspace is resumed;
+  each of those notifies `cp_enqueued` (or the pause channel) with the workspace, and the
+  `DemandBoard` marks it here (`changed`). `reserved` falls when a reservation of the workspace
+  expires, is given back (a first claim, a release, a failed push) or is cleaned up: the walk's
+  list carries a fingerprint of the workspace's live reservations, read at the list's snapshot,
+  and it must equal the one the workspace's last round left (read in that round's transaction,
+  under the workspace lock, after its own grants). The templates change only with an
+  advertisement, which forgets everything (`resync`). Eligibility and pauses only add or remove
+  list entries, and a workspace that leaves the list is forgotten, so it is walked when it
+  comes back.
+
+A notification that arrives while a round runs is kept for the next one, and wakes the actor,
+so a change that the round's list already showed but its memory did not is walked at most one
+round late, exactly as a full walk that ran just before the commit would have found it a round
+late. Notifications lost while the listener reconnects are covered by its `resync` (a full
+walk) and the periodic full walk. What a skipped workspace reports in `demand` is what its last
+walk found (its queued count may have fallen since, by claims, until it is walked again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from uuid import UUID
+
+from controlplane.domain.rounds import WalkEntry, WorkspaceRound
+
+
+@dataclass
+class WalkMemory:
+    """One installation provisioner's memory of its walks (its actor's, not shared)."""
+
+    full_walk_seconds: float
+    _covered: dict[UUID, tuple[int, WorkspaceRound]] = field(default_factory=dict)
+    _changed: set[UUID] = field(default_factory=set)
+    _full_due: bool = True
+    _last_full: float | None = None
+
+    def changed(self, workspace_id: UUID) -> None:
+        """The workspace's demand may have grown (a notification)."""
+        self._changed.add(workspace_id)
+
+    def resync(self) -> None:
+        """Walk every workspace next round (an advertisement, a listener that reconnected)."""
+        self._full_due = True
+
+    def plan(self, entries: Sequence[WalkEntry], now: float) -> frozenset[UUID]:
+        """The listed workspaces this round may leave out; `now` is the monotonic clock. Takes
+        the changes noted so far (later ones wait for the next round)."""
+        changed, self._changed = self._changed, set()
+        if (
+            self._full_due
+            or self._last_full is None
+            or now - self._last_full >= self.full_walk_seconds
+        ):
+            self._full_due = False
+            self._last_full = now
+            self._covered.clear()
+            return frozenset()
+        listed = {e.workspace_id: e.reservations for e in entries}
+        self._covered = {
+            w: kept
+            for w, kept in self._covered.items()
+            if w not in changed and listed.get(w) == kept[0]
+        }
+        return frozenset(self._covered)
+
+    def walked(self, entry: WalkEntry, result: WorkspaceRound | None) -> None:
+        """Remember a walked workspace while it stays covered (None: skipped as busy)."""
+        if result is not None and result.covered:
+            # The fingerprint the round left (its own grants included), else the list's.
+            after = entry.reservations if result.reservations is None else result.reservations
+            self._covered[entry.workspace_id] = (after, result)
+        else:
+            self._covered.pop(entry.workspace_id, None)
+
+    def carried(self, workspace_id: UUID) -> WorkspaceRound:
+        """A left-out workspace's last round, with only its demand figures (nothing in it is
+        granted or bound again)."""
+        _, result = self._covered[workspace_id]
+        return replace(
+            result,
+            allocation=replace(result.allocation, reservations=(), rebound=0),
+            grants=(),
+            bound=0,
+            rebound=0,
+            terminate_intents=(),
+            terminate_truncated=False,
+        )
