@@ -1,7 +1,8 @@
 """`python -m bench [name ...]`: run the named benchmarks (default: all but the explicit ones),
 then the report. The soak (minutes of kills), the standalone peers and the before/after runs
 against an older tree (`limits`: the connection limits; `compare`: issue 13's refactor, every
-figure of throughput, dispatch and demand) run only when named."""
+figure of throughput, dispatch and demand) and the big installation (`installation`, issue 16)
+run only when named."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from bench import (
     compare,
     demand,
     dispatch,
+    installation,
     limits,
     pages,
     peers,
@@ -39,6 +41,7 @@ EXPLICIT: dict[str, Bench] = {
     "limits": limits.run,
     "compare": compare.run,
     "pages": pages.run,
+    "installation": installation.run,  # issue 16's sizes: an hour or more
 }
 
 
