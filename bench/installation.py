@@ -47,10 +47,16 @@ import dataclasses
 import json
 import os
 import random
+import resource
+import shutil
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -82,8 +88,7 @@ BULK = ["bulk", "linux"]  # the backlog's labels (canonical order)
 PROBE = ["linux", "probe"]  # probe jobs only: no backlog job competes for these slots
 FILL_BATCH = 500  # queue.max_batch_size's default
 FILL_CONNECTIONS = 4
-ROUND_TTL = 1  # seconds: the shortest reservation_ttl_seconds, so measured grants free quickly
-PROBE_TTL = 600
+GRANT_TTL = 600  # seconds: no grant of the run expires while it runs
 PROBE_SLOTS = 100_000
 
 
@@ -124,6 +129,7 @@ class Sizes:
     fanout_replicas: int = 2
 
 
+SIZES = Sizes()
 SMOKE = Sizes(
     settle=2.0,
     workspaces=50,
@@ -171,6 +177,81 @@ async def cluster(
     finally:
         harness.stop_replicas(started)
         await harness.drop_database(url)
+
+
+def raise_fd_limit(needed: int) -> None:
+    """Open files enough for `needed`: up to the hard limit, and past it where this process may
+    (root), else stop before the run rather than fail halfway."""
+    soft = harness.raise_fd_limit()
+    if soft >= needed:
+        return
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, needed))
+        return
+    raise SystemExit(f"{needed} open files needed, the limit is {soft}: raise `ulimit -Hn`")
+
+
+# --- profile ------------------------------------------------------------------------------------
+
+
+def py_spy() -> str | None:
+    """py-spy (PyPI), beside this interpreter or on PATH; None when not installed."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+@contextlib.asynccontextmanager
+async def profiled(pid: int, path: Path | None) -> AsyncIterator[None]:
+    """py-spy's record of process `pid` while the body runs, as collapsed stacks in `path`
+    (nothing when `path` is None or py-spy is missing). Sampling does not stop the process."""
+    spy = py_spy()
+    if path is None or spy is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = [spy, "record", "--pid", str(pid), "--format", "raw", "--nonblocking"]
+    process = subprocess.Popen(
+        [*command, "--output", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def profile_summary(path: Path, top: int = 12) -> dict[str, Any]:
+    """The functions with the most samples in a collapsed-stack file: where the samples ended
+    (self) and, for the replica's own code, every sample a function was on the stack for."""
+    if not path.exists():
+        return {"file": None, "why": f"py-spy wrote no {path.name} (is it installed?)"}
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = [frame.rsplit(":", 1)[0] + ")" for frame in stack.split(";")]
+        total += int(count)
+        own[frames[-1]] += int(count)
+        for frame in set(frames):
+            if "controlplane/" in frame and "controlplane/cli/" not in frame:  # not main()
+                inclusive[frame] += int(count)
+
+    def shares(counter: Counter[str]) -> list[tuple[str, float]]:
+        return [(name, round(100 * n / total, 1)) for name, n in counter.most_common(top)]
+
+    return {
+        "file": str(path),
+        "samples": total,
+        "self_percent": shares(own),
+        "controlplane_inclusive_percent": shares(inclusive),
+    }
 
 
 # --- allocation ----------------------------------------------------------------------------------
@@ -237,7 +318,7 @@ async def one_round(
     counters, db = await metrics(replica.address), await backend_cpu(conn)
     cpu = harness.cpu_seconds(replica.process.pid)
     elapsed, message = await client.advertise(
-        [Template("bulk", BULK, slots), Template("probe", PROBE, 0)], budget, ROUND_TTL
+        [Template("bulk", BULK, slots), Template("probe", PROBE, 0)], budget, GRANT_TTL
     )
     spent_db = cpu_spent(db, await backend_cpu(conn))
     spent_replica = harness.cpu_seconds(replica.process.pid) - cpu
@@ -261,19 +342,26 @@ def _medians(samples: list[dict[str, float]]) -> dict[str, float]:
 
 
 async def round_costs(
-    client: Provisioner, replica: harness.Replica, conn: asyncpg.Connection, sizes: Sizes
+    replica: harness.Replica, conn: asyncpg.Connection, sizes: Sizes
 ) -> dict[str, Any]:
-    """Median figures of `sizes.rounds` rounds at each bulk slot count."""
+    """Median figures of `sizes.rounds` rounds at each bulk slot count. Each round is the first
+    advertise of a provisioner of its own, so it starts with every slot free and no earlier
+    grant of its own to deduct; the grants it makes hold the demand they cover for the rest of
+    the run, as a launched runner's reservation would."""
     found: dict[str, Any] = {}
     for slots in sizes.round_slots:
         samples = []
-        for _ in range(sizes.rounds):
-            await anyio.sleep(ROUND_TTL + 0.5)  # the last measured grants have expired
-            samples.append(await one_round(client, replica, conn, slots, sizes.slots))
-            # No slots until the next measured round: the safety tick grants nothing meanwhile.
-            await client.advertise(
-                [Template("bulk", BULK, 0), Template("probe", PROBE, 0)], sizes.slots, ROUND_TTL
-            )
+        for index in range(sizes.rounds):
+            _, token = await provisioners.create(conn, name=f"round-{index}", workspace_id=None)
+            client = Provisioner(replica.address, token)
+            async with anyio.create_task_group() as group:
+                ready = anyio.Event()
+                group.start_soon(client.run, ready)
+                with anyio.fail_after(60):
+                    await ready.wait()
+                samples.append(await one_round(client, replica, conn, slots, sizes.slots))
+                group.cancel_scope.cancel()
+            await anyio.sleep(0.5)  # its session closed and its actor gone
         found[str(slots)] = _medians(samples)
         print(f"    {slots:>5} bulk slots: {found[str(slots)]}")
     return found
@@ -324,7 +412,7 @@ async def grant_latency(
 
 
 async def allocation_at(
-    server: str, tree: Path | None, sizes: Sizes, workspace_count: int
+    server: str, tree: Path | None, sizes: Sizes, workspace_count: int, profile: Path | None
 ) -> dict[str, Any]:
     hot_count = max(1, min(sizes.hot, workspace_count // 10))
     workspaces = [uuid.uuid4() for _ in range(workspace_count)]
@@ -341,20 +429,20 @@ async def allocation_at(
             await conn.execute("VACUUM ANALYZE")
             filled_s = time.monotonic() - started
             print(f"  {workspace_count} workspaces: {sizes.pending} pending in {filled_s:.0f} s")
-            _, token = await provisioners.create(conn, name="bench-installation", workspace_id=None)
+            async with profiled(replica.process.pid, profile):
+                rounds = await round_costs(replica, conn, sizes)
+            _, token = await provisioners.create(conn, name="probes", workspace_id=None)
             client = Provisioner(replica.address, token)
             async with anyio.create_task_group() as group:
                 ready = anyio.Event()
                 group.start_soon(client.run, ready)
                 with anyio.fail_after(60):
                     await ready.wait()
-                await client.advertise([Template("bulk", BULK, 0)], sizes.slots, ROUND_TTL)
-                rounds = await round_costs(client, replica, conn, sizes)
                 # Steady state for the probes: the bulk slots taken by the backlog for good.
                 await client.advertise(
                     [Template("bulk", BULK, sizes.slots), Template("probe", PROBE, PROBE_SLOTS)],
                     sizes.slots,
-                    PROBE_TTL,
+                    GRANT_TTL,
                 )
                 probes = {
                     kind: await grant_latency(client, replica.address, key, among, sizes)
@@ -377,7 +465,11 @@ async def allocation_at(
     }
 
 
-async def allocation(server: str, tree: Path | None, sizes: Sizes) -> dict[str, Any]:
+async def allocation(
+    server: str, tree: Path | None, sizes: Sizes, profile: Path | None = None
+) -> dict[str, Any]:
+    """Both workspace counts; with `profile`, py-spy records the replica through the rounds of
+    the larger one (the slowest figure)."""
     found: dict[str, Any] = {
         "pending": sizes.pending,
         "slots": sizes.slots,
@@ -388,7 +480,11 @@ async def allocation(server: str, tree: Path | None, sizes: Sizes) -> dict[str, 
         "by_workspaces": {},
     }
     for count in (sizes.workspaces, sizes.baseline_workspaces):
-        found["by_workspaces"][str(count)] = await allocation_at(server, tree, sizes, count)
+        found["by_workspaces"][str(count)] = await allocation_at(
+            server, tree, sizes, count, profile if count == sizes.workspaces else None
+        )
+    if profile is not None:
+        found["profile"] = profile_summary(profile)
     big = found["by_workspaces"][str(sizes.workspaces)]["rounds_by_bulk_slots"]
     small = found["by_workspaces"][str(sizes.baseline_workspaces)]["rounds_by_bulk_slots"]
     found["round_ms_ratio_to_baseline"] = {
@@ -472,14 +568,19 @@ def results_dir(smoke: bool) -> Path:
 
 
 async def run(
-    sizes: Sizes = Sizes(), tree: Path | None = None, smoke: bool = False
+    sizes: Sizes = SIZES, tree: Path | None = None, smoke: bool = False, profile: bool = False
 ) -> dict[str, Any]:
-    harness.raise_fd_limit()  # tens of thousands of sockets here and in the replicas
+    """Run the parts of `sizes`; with `profile` (and py-spy installed), the replica of the
+    larger allocation run is profiled through its rounds (installation_profile.txt)."""
+    # Each session is a socket here; the parked runners are spread over child processes.
+    raise_fd_limit(sizes.sessions + sizes.installation_sessions + 1000)
+    folder = results_dir(smoke)
     results: dict[str, Any] = {}
     with harness.postgres() as server:
         if "allocation" in sizes.parts:
             print("allocation:")
-            results["allocation"] = await allocation(server, tree, sizes)
+            spied = folder / "installation_profile.txt" if profile else None
+            results["allocation"] = await allocation(server, tree, sizes, spied)
         if "sessions" in sizes.parts:
             print("sessions:")
             async with cluster(server, sizes.session_replicas, tree) as (url, started):
@@ -494,7 +595,6 @@ async def run(
     stamp = harness.machine()["measured_at"]
     for part in results.values():
         part["measured_at"] = stamp
-    folder = results_dir(smoke)
     path = folder / "installation.json"
     if set(sizes.parts) != set(PARTS):
         # A partial run keeps the other parts' figures from the last run, each with its own time.
@@ -514,11 +614,11 @@ def _numbers(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part)
 
 
-def parse(argv: Sequence[str] | None = None) -> tuple[Sizes, Path | None, bool]:
+def parse(argv: Sequence[str] | None = None) -> tuple[Sizes, Path | None, bool, bool]:
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--smoke", action="store_true")
     smoke = first.parse_known_args(argv)[0].smoke
-    defaults = SMOKE if smoke else Sizes()
+    defaults = SMOKE if smoke else SIZES
     parser = argparse.ArgumentParser(
         prog="python -m bench.installation", description=__doc__.split("\n")[0]
     )
@@ -526,6 +626,11 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Sizes, Path | None, bool]:
         "--smoke", action="store_true", help="small sizes (about two minutes), results not kept"
     )
     parser.add_argument("--tree", type=Path, help="measure the replicas of this checkout")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the replica through the larger allocation run's rounds (if installed)",
+    )
     for spec in dataclasses.fields(Sizes):
         value = getattr(defaults, spec.name)
         flag = "--" + spec.name.replace("_", "-")
@@ -542,14 +647,14 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Sizes, Path | None, bool]:
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
     given = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(Sizes)}
-    return Sizes(**{**given, "parts": parts}), args.tree, smoke
+    return Sizes(**{**given, "parts": parts}), args.tree, smoke, args.profile
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    sizes, tree, smoke = parse(argv)
+    sizes, tree, smoke, profile = parse(argv)
 
     async def go() -> None:
-        await run(sizes, tree, smoke)
+        await run(sizes, tree, smoke, profile)
 
     anyio.run(go)
 

@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -103,11 +103,11 @@ class Provisioner:
     async def advertise(
         self, templates: list[Template], max_reservations: int, ttl_seconds: int
     ) -> tuple[float, dict[str, Any]]:
-        """Advertise, and wait for the round's `demand` push that follows the answer; the seconds
-        from sending to that push, and the push."""
-        seen = len(self.demands)
+        """Advertise, and wait for the round's `demand` push that follows the answer (a push that
+        arrives before the answer is an earlier round's); the seconds from sending to that push,
+        and the push."""
         start = time.perf_counter()
-        await self.request(
+        answer = await self.request(
             {
                 "type": "advertise",
                 "request_id": uuid.uuid4().hex,
@@ -120,6 +120,7 @@ class Provisioner:
             },
             "advertised",
         )
+        seen = answer["demands_before"]
         with anyio.fail_after(300):
             while len(self.demands) == seen:
                 self.pushed = anyio.Event()
@@ -162,6 +163,7 @@ class Provisioner:
                     for _ in range(min(units, len(self.started))):
                         self.latencies.append(now - self.started.popleft())
                 elif message["type"] != "pong":
+                    message["demands_before"] = len(self.demands)  # pushes that preceded it
                     self.answers.append(message)
                     self.answered.set()
         finally:
@@ -186,11 +188,17 @@ class Arrivals:
     started: dict[str, float] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)
     events: dict[str, anyio.Event] = field(default_factory=dict)
-    answered: int = 0
+
+    def arrived(self, execution: str, at: float) -> None:
+        started = self.started.pop(execution, None)
+        if started is not None:
+            self.latencies.append(at - started)
+            self.events.pop(execution, anyio.Event()).set()
 
 
-async def parked_runner(address: str, session: str, arrivals: Arrivals) -> None:
-    """A runner on a long poll; a job it is handed is stamped, completed, and it parks again."""
+async def parked_runner(address: str, session: str, handed: Callable[[str], None]) -> None:
+    """A runner on a long poll: a job it is handed is reported to `handed` (its execution id),
+    completed, and the runner parks again."""
     conn = wire.Connection(address)
     try:
         while True:
@@ -198,15 +206,10 @@ async def parked_runner(address: str, session: str, arrivals: Arrivals) -> None:
                 status, body = await conn.post("/v1/runners/jobs/request?wait=50", session)
             except (wire.Closed, ConnectionError):
                 continue  # the server closed a kept-alive connection: ask again
-            arrivals.answered += 1
             if status != 200:
                 continue
-            execution = body["job_execution_id"]
-            started = arrivals.started.pop(execution, None)
-            if started is not None:
-                arrivals.latencies.append(time.perf_counter() - started)
-                arrivals.events.pop(execution, anyio.Event()).set()
-            path = f"/v1/runners/jobs/{execution}/complete"
+            handed(body["job_execution_id"])
+            path = f"/v1/runners/jobs/{body['job_execution_id']}/complete"
             await conn.post(path, body["lease_token"], {"outcome": "succeeded"})
     finally:
         await conn.aclose()

@@ -3,7 +3,10 @@ provisioner sessions over several replicas, and many runners parked over two."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -11,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import asyncpg
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from bench import dispatch, harness, scale, wire
 from bench.installation_clients import (
@@ -22,7 +26,6 @@ from bench.installation_clients import (
     job,
     metrics,
     orchestrator_key,
-    parked_runner,
     proc_window,
     rss_kib,
 )
@@ -31,6 +34,7 @@ from controlplane.store import credentials, provisioners
 if TYPE_CHECKING:
     from bench.installation import Sizes
 
+RUNNERS_PER_PROCESS = 5000  # parked runners per child process (open files: one socket each)
 CONNECT_BATCH = 50  # sessions opened at once: well inside the listen backlog
 ENQUEUERS = 8  # connections the steady enqueues go out on
 GRANT_WAIT = 10.0  # seconds after the last enqueue for its grant
@@ -210,6 +214,32 @@ async def _dispatches(
     return {**harness.summary_ms(arrivals.latencies), "missed": missed}
 
 
+async def _runner_process(addresses: list[str], sessions: list[str], arrivals: Arrivals) -> None:
+    """A child process (bench/installation_runners.py) holding `sessions` parked; the jobs it
+    reports handed go to `arrivals`. Closing its stdin ends it."""
+    process = await anyio.open_process(
+        [sys.executable, "-m", "bench.installation_runners"], cwd=harness.ROOT, stderr=None
+    )
+    assert process.stdin is not None
+    assert process.stdout is not None
+    try:
+        spec = {"addresses": addresses, "sessions": sessions}
+        await process.stdin.send((json.dumps(spec) + "\n").encode())
+        reader = BufferedByteReceiveStream(process.stdout)
+        with contextlib.suppress(anyio.EndOfStream, anyio.IncompleteRead):
+            while True:
+                line = json.loads(await reader.receive_until(b"\n", 65_536))
+                arrivals.arrived(line["job"], line["at"])
+    finally:
+        with anyio.CancelScope(shield=True):
+            await process.stdin.aclose()
+            with anyio.move_on_after(20):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
 async def parked(url: str, started: list[harness.Replica], sizes: Sizes) -> dict[str, Any]:
     pids = [replica.process.pid for replica in started]
     conn = await asyncpg.connect(url)
@@ -226,13 +256,11 @@ async def parked(url: str, started: list[harness.Replica], sizes: Sizes) -> dict
         registering = time.monotonic()
         made = await scale._register(started[0].address, tokens, sizes.parked)
         arrivals = Arrivals()
+        addresses = [replica.address for replica in started]
         async with anyio.create_task_group() as group:
-            for start in range(0, len(made), 250):
-                for index, session in enumerate(made[start : start + 250], start):
-                    group.start_soon(
-                        parked_runner, started[index % len(started)].address, session, arrivals
-                    )
-                await anyio.sleep(0.05)  # stay well inside the listen backlog
+            for start in range(0, len(made), RUNNERS_PER_PROCESS):
+                share = made[start : start + RUNNERS_PER_PROCESS]
+                group.start_soon(_runner_process, addresses, share, arrivals)
             with anyio.fail_after(600):
                 while sum(await gauge(started, "controlplane_parked_runners")) < sizes.parked:
                     await anyio.sleep(0.5)

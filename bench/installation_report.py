@@ -64,6 +64,19 @@ def _allocation(found: dict[str, Any]) -> list[str]:
             f"| {size} | {cold['p50_ms']} | {cold['p99_ms']} | {cold['missed']} | "
             f"{hot['p50_ms']} | {hot['p99_ms']} | {hot['missed']} |"
         )
+    profile = found.get("profile")
+    if profile and profile.get("file"):
+
+        def named(shares: list[list[Any]]) -> str:
+            return "; ".join(f"`{name}` {share}%" for name, share in shares[:6])
+
+        lines += [
+            "",
+            f"py-spy (`--profile`) on the replica through the {sizes[0]}-workspace rounds, "
+            f"{profile['samples']} samples of a busy thread. Where the samples ended: "
+            f"{named(profile['self_percent'])}. Our functions on the stack: "
+            f"{named(profile['controlplane_inclusive_percent'])}.",
+        ]
     return [*lines, ""]
 
 
