@@ -66,7 +66,7 @@ from typing import Any
 import anyio
 import asyncpg
 
-from bench import harness, installation_fleets, wire
+from bench import harness, installation_fleets, report, wire
 from bench.installation_clients import (
     Provisioner,
     Template,
@@ -620,7 +620,10 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Sizes, Path | None, bool, 
     smoke = first.parse_known_args(argv)[0].smoke
     defaults = SMOKE if smoke else SIZES
     parser = argparse.ArgumentParser(
-        prog="python -m bench.installation", description=__doc__.split("\n")[0]
+        prog="python -m bench.installation",
+        description="A big installation (issue 16): allocation rounds, provisioner sessions, "
+        "parked runners and NOTIFY fan-out, each beside a same-run baseline (see the module's "
+        "docstring). Defaults are the issue's sizes.",
     )
     parser.add_argument(
         "--smoke", action="store_true", help="small sizes (about two minutes), results not kept"
@@ -637,11 +640,13 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Sizes, Path | None, bool, 
         if spec.name == "parts":
             parser.add_argument(flag, default=",".join(value), help="comma-separated subset")
         elif isinstance(value, tuple):
-            parser.add_argument(flag, type=_numbers, default=value, help="comma-separated")
+            parser.add_argument(
+                flag, type=_numbers, default=value, help="comma-separated (%(default)s)"
+            )
         elif spec.name == "fill":
-            parser.add_argument(flag, choices=("http", "sql"), default=value)
+            parser.add_argument(flag, choices=("http", "sql"), default=value, help="%(default)s")
         else:
-            parser.add_argument(flag, type=type(value), default=value)
+            parser.add_argument(flag, type=type(value), default=value, help="%(default)s")
     args = parser.parse_args(argv)
     parts = tuple(part for part in args.parts.split(",") if part)
     if unknown := set(parts) - set(PARTS):
@@ -657,6 +662,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         await run(sizes, tree, smoke, profile)
 
     anyio.run(go)
+    if not smoke or os.environ.get("BENCH_RESULTS"):
+        report.main()  # docs/benchmarks.md, or BENCH_RESULTS/benchmarks.md
 
 
 if __name__ == "__main__":
