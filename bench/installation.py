@@ -79,7 +79,7 @@ from bench.installation_clients import (
     metrics,
     orchestrator_key,
     proc_window,
-    rss_kib,
+    rss_mib,
 )
 from controlplane.store import provisioners
 
@@ -538,7 +538,7 @@ async def fanout(server: str, tree: Path | None, sizes: Sizes) -> dict[str, Any]
         )
         elapsed = time.monotonic() - before[0]
         *loaded, front_cpu = cpu_percent([*pids, front.process.pid], before)
-        rss = [round(rss_kib(pid) / 1024, 1) for pid in pids]
+        rss = rss_mib(pids)
     found = {
         "replicas_listening": len(listeners),
         "workspaces": sizes.fanout_workspaces,

@@ -225,6 +225,10 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+def rss_mib(pids: Sequence[int]) -> list[float]:
+    return [round(rss_kib(pid) / 1024, 1) for pid in pids]
+
+
 async def metrics(address: str) -> dict[str, float]:
     """A replica's /metrics, each series name (labels dropped) to the sum of its samples."""
     async with httpx.AsyncClient(base_url=address, timeout=60) as client:

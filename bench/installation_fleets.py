@@ -27,7 +27,7 @@ from bench.installation_clients import (
     metrics,
     orchestrator_key,
     proc_window,
-    rss_kib,
+    rss_mib,
 )
 from controlplane.store import credentials, provisioners
 
@@ -50,7 +50,7 @@ async def window(pids: Sequence[int], conn: asyncpg.Connection, seconds: float) 
     minutes = (time.monotonic() - before[0]) / 60
     return {
         "window_s": round(minutes * 60, 1),
-        "rss_mib": [round(rss_kib(pid) / 1024, 1) for pid in pids],
+        "rss_mib": rss_mib(pids),
         "cpu_percent": cpu,
         "xact_commit_per_min": round(delta["xact_commit"] / minutes, 1),
         "rows_written_per_min": round(
@@ -288,7 +288,7 @@ async def parked(url: str, started: list[harness.Replica], sizes: Sizes) -> dict
             await anyio.sleep(sizes.actor_idle_wait)
             actors_retired = await gauge(started, "controlplane_workspace_actors")
         print(f"  actors: parked {actors_parked}, left {actors_left}, retired {actors_retired}")
-        rss_after = [round(rss_kib(pid) / 1024, 1) for pid in pids]
+        rss_after = rss_mib(pids)
     finally:
         await conn.close()
     return {

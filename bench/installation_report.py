@@ -73,9 +73,10 @@ def _allocation(found: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"py-spy (`--profile`) on the replica through the {sizes[0]}-workspace rounds, "
-            f"{profile['samples']} samples of a busy thread. Where the samples ended: "
-            f"{named(profile['self_percent'])}. Our functions on the stack: "
-            f"{named(profile['controlplane_inclusive_percent'])}.",
+            f"{profile['samples']} samples of its thread that py-spy did not find idle. Where "
+            f"they ended: {named(profile['self_percent'])} (a sample ending in `Runner.run` is "
+            "inside the event loop's own C code: polling, socket I/O, callbacks). Our "
+            f"functions on the stack: {named(profile['controlplane_inclusive_percent'])}.",
         ]
     return [*lines, ""]
 
