@@ -143,6 +143,7 @@ SMOKE = Sizes(
     fill="sql",
     sessions=30,
     installation_sessions=2,
+    session_replicas=2,
     idle_window=3.0,
     enqueue_rate=20.0,
     load_seconds=3.0,
@@ -153,6 +154,7 @@ SMOKE = Sizes(
     fanout_rate=200.0,
     fanout_workspaces=1000,
     fanout_seconds=3.0,
+    fanout_replicas=1,
 )
 
 

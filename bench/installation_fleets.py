@@ -38,6 +38,7 @@ RUNNERS_PER_PROCESS = 5000  # parked runners per child process (open files: one 
 CONNECT_BATCH = 50  # sessions opened at once: well inside the listen backlog
 ENQUEUERS = 8  # connections the steady enqueues go out on
 GRANT_WAIT = 10.0  # seconds after the last enqueue for its grant
+FLOOR_SAMPLES = 100  # INSERT + NOTIFY -> LISTEN round trips for a latency's floor
 
 
 async def window(pids: Sequence[int], conn: asyncpg.Connection, seconds: float) -> dict[str, Any]:
@@ -168,6 +169,7 @@ async def sessions(url: str, started: list[harness.Replica], sizes: Sizes) -> di
             )
             closed = [member.closed for member in fleet + installation if member.closed]
             group.cancel_scope.cancel()
+        floor = harness.summary_ms(await dispatch.baseline(url, FLOOR_SAMPLES))
     finally:
         await conn.close()
     return {
@@ -181,6 +183,7 @@ async def sessions(url: str, started: list[harness.Replica], sizes: Sizes) -> di
         "loaded": loaded,
         "per_session": per_member(loaded, idle, len(fleet) + len(installation)),
         "grant": grants,
+        "baseline_insert_notify_listen": floor,
     }
 
 
