@@ -26,6 +26,7 @@ import anyio
 import asyncpg
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
 
 from bench import harness, wire
 from controlplane.store import credentials
@@ -146,9 +147,12 @@ class Provisioner:
                 {"type": "hello", "protocol_version": 1, "request_id": "h"}, "welcome"
             )
             ready.set()
-            while True:
-                await anyio.sleep(PING_SECONDS)
-                await self._send({"type": "ping", "request_id": "p"})
+            # A session the server closes later is recorded in `closed` and left closed: the
+            # parts count those, rather than stopping the whole run.
+            with contextlib.suppress(ConnectionClosed):
+                while not self.closed:
+                    await anyio.sleep(PING_SECONDS)
+                    await self._send({"type": "ping", "request_id": "p"})
 
     async def _read(self) -> None:
         assert self.ws is not None
@@ -166,6 +170,8 @@ class Provisioner:
                     message["demands_before"] = len(self.demands)  # pushes that preceded it
                     self.answers.append(message)
                     self.answered.set()
+        except ConnectionClosed:
+            pass  # closed with an error code: recorded below
         finally:
             self.closed = f"{self.ws.close_code} {self.ws.close_reason}"
             self.answered.set()
