@@ -256,6 +256,23 @@ def profile_summary(path: Path, top: int = 12) -> dict[str, Any]:
     }
 
 
+@contextlib.asynccontextmanager
+async def installation_session(
+    conn: asyncpg.Connection, address: str, name: str
+) -> AsyncIterator[Provisioner]:
+    """A new installation-scope provisioner, its control session open (hello answered) for the
+    body, closed after it."""
+    _, token = await provisioners.create(conn, name=name, workspace_id=None)
+    client = Provisioner(address, token)
+    async with anyio.create_task_group() as group:
+        ready = anyio.Event()
+        group.start_soon(client.run, ready)
+        with anyio.fail_after(60):
+            await ready.wait()
+        yield client
+        group.cancel_scope.cancel()
+
+
 # --- allocation ----------------------------------------------------------------------------------
 
 
@@ -354,15 +371,8 @@ async def round_costs(
     for slots in sizes.round_slots:
         samples = []
         for index in range(sizes.rounds):
-            _, token = await provisioners.create(conn, name=f"round-{index}", workspace_id=None)
-            client = Provisioner(replica.address, token)
-            async with anyio.create_task_group() as group:
-                ready = anyio.Event()
-                group.start_soon(client.run, ready)
-                with anyio.fail_after(60):
-                    await ready.wait()
+            async with installation_session(conn, replica.address, f"round-{index}") as client:
                 samples.append(await one_round(client, replica, conn, slots, sizes.slots))
-                group.cancel_scope.cancel()
             await anyio.sleep(0.5)  # its session closed and its actor gone
         found[str(slots)] = _medians(samples)
         print(f"    {slots:>5} bulk slots: {found[str(slots)]}")
@@ -433,13 +443,7 @@ async def allocation_at(
             print(f"  {workspace_count} workspaces: {sizes.pending} pending in {filled_s:.0f} s")
             async with profiled(replica.process.pid, profile):
                 rounds = await round_costs(replica, conn, sizes)
-            _, token = await provisioners.create(conn, name="probes", workspace_id=None)
-            client = Provisioner(replica.address, token)
-            async with anyio.create_task_group() as group:
-                ready = anyio.Event()
-                group.start_soon(client.run, ready)
-                with anyio.fail_after(60):
-                    await ready.wait()
+            async with installation_session(conn, replica.address, "probes") as client:
                 # Steady state for the probes: the bulk slots taken by the backlog for good.
                 await client.advertise(
                     [Template("bulk", BULK, sizes.slots), Template("probe", PROBE, PROBE_SLOTS)],
@@ -455,7 +459,6 @@ async def allocation_at(
                         f"    grant, {kind} workspace: p50 {figures['p50_ms']} ms, "
                         f"p99 {figures['p99_ms']} ms, {figures['missed']} missed"
                     )
-                group.cancel_scope.cancel()
         finally:
             await conn.close()
     return {
