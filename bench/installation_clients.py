@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import asyncpg
@@ -29,24 +29,16 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from bench import harness, wire
+from controlplane.agent.queue_client import enqueue_body
 from controlplane.store import credentials
 
 PING_SECONDS = 20.0  # well inside the server's 60 s idle timeout, as the protocol asks
 
 
 def job(workspace: uuid.UUID, labels: list[str]) -> dict[str, Any]:
-    """One execution in the enqueue body's shape, with fresh ids."""
-    return {
-        "job_execution_id": str(uuid.uuid4()),
-        "job_id": str(uuid.uuid4()),
-        "workflow_run_id": str(uuid.uuid4()),
-        "workflow_run_attempt_id": str(uuid.uuid4()),
-        "workspace_id": str(workspace),
-        "project_id": str(uuid.uuid4()),
-        "required_labels": labels,
-        "queued_at": datetime.now(UTC).isoformat(),
-        "payload": {},
-    }
+    """One execution in the enqueue body's shape, with fresh ids (the CLI's own builder)."""
+    body = enqueue_body(workspace, labels, ["true"], datetime.now(UTC))
+    return cast(list[dict[str, Any]], body["jobs"])[0]
 
 
 async def enqueue(conn: wire.Connection, token: str, jobs: list[dict[str, Any]]) -> None:
