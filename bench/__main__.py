@@ -1,8 +1,9 @@
 """`python -m bench [name ...]`: run the named benchmarks (default: all but the explicit ones),
-then the report. The soak (minutes of kills), the standalone peers and the before/after runs
+then the report. The soak (minutes of kills), the standalone peers, the before/after runs
 against an older tree (`limits`: the connection limits; `compare`: issue 13's refactor, every
-figure of throughput, dispatch and demand; `footprint`: each job's rows, WAL, transactions and
-CPU, for docs/scaling.md) run only when named."""
+figure of throughput, dispatch and demand), `footprint` (each job's rows, WAL, transactions and
+CPU, for docs/scaling.md) and the big installation (`installation`, issue 16) run only when
+named."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from bench import (
     demand,
     dispatch,
     footprint,
+    installation,
     limits,
     pages,
     peers,
@@ -42,6 +44,7 @@ EXPLICIT: dict[str, Bench] = {
     "compare": compare.run,
     "pages": pages.run,
     "footprint": footprint.run,
+    "installation": installation.run,  # issue 16's sizes: an hour or more
 }
 
 

@@ -134,6 +134,62 @@ def replicas(result: dict[str, Any], path: Path) -> None:
     _save(figure, path)
 
 
+def installation_rounds(result: dict[str, Any], path: Path) -> None:
+    found = result.get("allocation")
+    if not found:
+        return
+    sizes = list(found["by_workspaces"])
+    rounds = {size: found["by_workspaces"][size]["rounds_by_bulk_slots"] for size in sizes}
+    slots = list(rounds[sizes[0]])
+    series = {
+        f"{size} workspaces{' (baseline)' if index else ''}": [
+            rounds[size][point]["round_ms"] for point in slots
+        ]
+        for index, size in enumerate(sizes)
+    }
+    _grouped(
+        path,
+        slots,
+        series,
+        ("bulk slots (units the round may grant)", "ms", "One installation allocation round"),
+        [],
+    )
+
+
+def installation_grants(result: dict[str, Any], path: Path) -> None:
+    found = result.get("allocation")
+    if not found:
+        return
+    sizes = list(found["by_workspaces"])
+    _grouped(
+        path,
+        [f"{size} workspaces" for size in sizes],
+        {
+            f"{kind} p99": [found["by_workspaces"][size]["grant"][kind]["p99_ms"] for size in sizes]
+            for kind in ("cold", "hot")
+        },
+        ("", "ms", "Enqueue to grant, installation provisioner"),
+        [(50, "target p99 50 ms", ":")],
+    )
+
+
+def installation_fanout(result: dict[str, Any], path: Path) -> None:
+    found = result.get("fanout")
+    if not found:
+        return
+    replicas = [f"replica {index + 1}" for index in range(len(found["idle_cpu_percent"]))]
+    _grouped(
+        path,
+        replicas,
+        {
+            "idle (baseline)": found["idle_cpu_percent"],
+            f"{found['achieved_rate']:g} enqueues/s": found["loaded_cpu_percent"],
+        },
+        ("listening replica", "CPU % of a core", "NOTIFY fan-out, no runner parked"),
+        [(10, "target 10 %", ":")],
+    )
+
+
 # result file -> the charts drawn from it, each (file name, alt text, chart)
 CHARTS: dict[str, list[tuple[str, str, Chart]]] = {
     "dispatch": [("dispatch.png", "dispatch latency by parked runners", dispatch)],
@@ -143,4 +199,17 @@ CHARTS: dict[str, list[tuple[str, str, Chart]]] = {
         ("peers.png", "ours beside procrastinate and pgqueuer", peers),
     ],
     "scale": [("replicas.png", "lifecycle jobs/s by replica count", replicas)],
+    "installation": [
+        (
+            "installation_rounds.png",
+            "installation round by slots and workspaces",
+            installation_rounds,
+        ),
+        ("installation_grants.png", "grant p99, cold and hot workspace", installation_grants),
+        (
+            "installation_fanout.png",
+            "listening replicas' CPU at the enqueue rate",
+            installation_fanout,
+        ),
+    ],
 }

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from bench import footprint, plots
+from bench import footprint, installation_report, plots
 from bench.harness import RESULTS, ROOT
 
 # A run with BENCH_RESULTS set (a smoke run) renders beside its results, not into docs/.
@@ -482,7 +482,10 @@ RENDERERS = {
     "policies_off": _policies_off,  # bench/compare.py's result against 7569915, renamed
     "pages": _pages,
     "footprint": footprint.render,
+    "installation": installation_report.render,
 }
+# Sections written even before their bench has recorded a result: what to run to fill them.
+PLACEHOLDERS = {"installation": installation_report.missing}
 
 
 def _charts(name: str, result: dict[str, Any]) -> list[str]:
@@ -515,6 +518,8 @@ def main() -> None:
             result = json.loads(path.read_text())
             parts += render(result)
             parts += _charts(name, result)
+        elif name in PLACEHOLDERS:
+            parts += PLACEHOLDERS[name]()
     if NOTES.exists():
         parts += [NOTES.read_text().rstrip(), ""]
     DOC.parent.mkdir(parents=True, exist_ok=True)

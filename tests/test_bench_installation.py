@@ -1,0 +1,65 @@
+"""bench/installation.py's pure parts: its sizes and flags, the backlog's skew, the profile
+summary. (The bench itself runs against daemons: `python -m bench.installation --smoke`.)"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bench import installation
+
+
+def test_defaults_are_the_issue_sizes() -> None:
+    sizes, tree, smoke, profile = installation.parse([])
+    assert (tree, smoke, profile) == (None, False, False)
+    assert sizes.parts == installation.PARTS
+    assert (sizes.workspaces, sizes.pending, sizes.slots) == (10_000, 1_000_000, 1000)
+    assert (sizes.sessions, sizes.installation_sessions, sizes.session_replicas) == (1000, 10, 3)
+    assert sizes.enqueue_rate == 100
+    assert (sizes.parked, sizes.parked_workspaces, sizes.parked_replicas) == (20_000, 2000, 2)
+    assert (sizes.fanout_rate, sizes.fanout_workspaces) == (1000, 10_000)
+
+
+def test_smoke_sizes_and_flags_over_them() -> None:
+    sizes, tree, smoke, profile = installation.parse(
+        ["--smoke", "--workspaces", "7", "--round-slots", "0,3", "--parts", "fanout", "--tree", "x"]
+    )
+    assert (smoke, profile, tree) == (True, False, Path("x"))
+    assert (sizes.workspaces, sizes.round_slots, sizes.parts) == (7, (0, 3), ("fanout",))
+    assert sizes.pending == installation.SMOKE.pending  # the rest stay the smoke sizes
+
+
+def test_an_unknown_part_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        installation.parse(["--parts", "allocation,nonsense"])
+
+
+def test_nine_of_ten_backlog_jobs_go_to_the_hot_workspaces() -> None:
+    hot = [uuid.uuid4() for _ in range(2)]
+    cold = [uuid.uuid4() for _ in range(5)]
+    counts = Counter(installation.skewed(index, hot, cold) for index in range(1000))
+    assert sum(counts[w] for w in hot) == 900
+    assert [counts[w] for w in cold] == [20] * 5
+    assert {installation.skewed(index, hot, []) for index in range(10)} == set(hot)
+
+
+def test_profile_summary_shares_and_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "profile.txt"
+    main = "main (controlplane/cli/__init__.py:10)"
+    walk = "installation_walk (controlplane/actors/provisioning/rounds.py:40)"
+    path.write_text(
+        f"{main};{walk};fetch (asyncpg/connection.py:7) 3\n"
+        f"{main};{walk};fetch (asyncpg/connection.py:9) 1\n"
+        f"{main};run (asyncio/runners.py:1) 4\n"
+    )
+    found = installation.profile_summary(path)
+    assert found["samples"] == 8
+    assert found["self_percent"][0] == ("fetch (asyncpg/connection.py)", 50.0)
+    # Our own functions, inclusive; main() is on every stack and says nothing.
+    assert found["controlplane_inclusive_percent"] == [
+        ("installation_walk (controlplane/actors/provisioning/rounds.py)", 50.0)
+    ]
+    assert installation.profile_summary(tmp_path / "absent.txt")["file"] is None
