@@ -376,7 +376,11 @@ class Daemon:
             dispatcher=dispatcher,
             cancels=cancels,
             feed=feed,
-            probe=DatabaseProbe(pool, refresh_seconds=settings.health.refresh_seconds),
+            probe=DatabaseProbe(
+                pool,
+                refresh_seconds=settings.health.refresh_seconds,
+                deadline_seconds=settings.health.deadline_seconds,
+            ),
             listener=listener,
             control=control,
             demand=demand,

@@ -160,6 +160,8 @@ class Health(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """/readyz and /metrics, which answer without a credential."""
 
     refresh_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=60)] = 1.0
+    # The longest that read may take before /readyz answers 503 (a failure is cached too).
+    deadline_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=30)] = 1.0
 
 
 class Pages(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
