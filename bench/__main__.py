@@ -2,8 +2,8 @@
 then the report. The soak (minutes of kills), the standalone peers, the before/after runs
 against an older tree (`limits`: the connection limits; `compare`: issue 13's refactor, every
 figure of throughput, dispatch and demand), `footprint` (each job's rows, WAL, transactions and
-CPU, for docs/scaling.md) and the big installation (`installation`, issue 16) run only when
-named."""
+CPU, for docs/scaling.md), idle provisioner sessions (`idle_sessions`) and the big installation
+(`installation`, issue 16) run only when named."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from bench import (
     demand,
     dispatch,
     footprint,
+    idle_sessions,
     installation,
     limits,
     pages,
@@ -43,6 +44,7 @@ EXPLICIT: dict[str, Bench] = {
     "limits": limits.run,
     "compare": compare.run,
     "pages": pages.run,
+    "idle_sessions": idle_sessions.run,
     "footprint": footprint.run,
     "installation": installation.run,  # issue 16's sizes: an hour or more
 }

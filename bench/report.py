@@ -436,6 +436,36 @@ def _before_after(result: dict[str, Any], title: str, what: str) -> list[str]:
     return [*lines, ""]
 
 
+def _idle_sessions(result: dict[str, Any]) -> list[str]:
+    """Commits a minute per idle provisioner session, the baseline tree beside this one."""
+    lines = _section(
+        "Idle provisioner sessions",
+        result,
+        f"One replica, {result['sessions']} workspace-scope control sessions that advertise once "
+        "and then only ping, nothing enqueued; database commits over "
+        f"{result['window_seconds']:.0f} s windows with and without the sessions "
+        "(`python -m bench idle_sessions`). Target "
+        "(issue 16): no transaction a minute per idle session.",
+        "| tree | replica alone, commits/min | with the sessions | per idle session /min |",
+        "|---|---:|---:|---:|",
+    )
+    for side in ("before", "after"):
+        row = result[side]
+        lines.append(
+            f"| {row['tree']} ({side}) | {row['replica_alone_per_minute']} | "
+            f"{row['with_sessions_per_minute']} | {row['per_idle_session_per_minute']} |"
+        )
+    moved = result["after"].get("replica_metrics_per_minute", {})
+    if moved:
+        lines += [
+            "",
+            "This tree's replica, a minute: "
+            + ", ".join(f"`{name}` {value}" for name, value in moved.items())
+            + ".",
+        ]
+    return [*lines, ""]
+
+
 def _pages(result: dict[str, Any]) -> list[str]:
     """The operator pages beside the admin API's reads of the same data, in one run."""
     target = 50.0
@@ -481,6 +511,7 @@ RENDERERS = {
     "compare": _compare,
     "policies_off": _policies_off,  # bench/compare.py's result against 7569915, renamed
     "pages": _pages,
+    "idle_sessions": _idle_sessions,
     "footprint": footprint.render,
     "installation": installation_report.render,
 }
