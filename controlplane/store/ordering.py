@@ -6,9 +6,8 @@ walked on the index `pending_jobs (workspace_id, priority DESC, created_at, id)`
 priority 0 that walk is the one the old FIFO index gave. `fair`: a job's share is the running
 executions of its project plus its place among its project's claimable jobs (1 for the head), so
 the project with the fewest running goes first and the next of the same project is weighed as if
-its head already ran; ties by priority, then age. Fair walks each project's head on the index
-`pending_jobs (workspace_id, project_id, priority DESC, created_at, id)` (sql/0024) and counts its
-leases (`fair_pick`): a claim's cost grows with the workspace's projects, not its pending rows.
+its head already ran; ties by priority, then age. Fair reads every claimable row of the workspace
+(a window over them, not an index walk), which is why it is a setting and not the default.
 
 Concurrency keys. A keyed job is claimable only while its key's `running` count
 (`concurrency_keys`, kept by triggers on `running_jobs`, sql/0012_ordering.sql) is below its
@@ -39,7 +38,6 @@ from uuid import UUID
 from controlplane.store import locks
 from controlplane.store.events import EVENTS_CHANNEL
 from controlplane.store.pool import Conn
-from controlplane.store.records import qualified
 
 
 class Ordering(enum.StrEnum):
@@ -89,39 +87,15 @@ def fifo_pick(limit: str, also: str) -> str:
 def fair_pick(limit: str, also: str) -> str:
     """The first `limit` claimable rows in fair order, not locked (the caller tries each row's
     lock, so a row another claim holds is stepped over, not silently replaced), for a workspace
-    that orders fairly; `share` ranks them.
-
-    Each project's rows have shares running + 1, running + 2, ..., so the first `limit` rows
-    overall hold at most each project's first `limit` claimable rows: the pick finds the
-    projects with pending rows by a skip scan (`projects`, one probe of
-    `pending_jobs (workspace_id, project_id, priority DESC, created_at, id)` per project),
-    counts each project's leases (`running_jobs (workspace_id, project_id)`), walks the
-    project's first `limit` claimable rows on the index (`heads`), and ranks those. The result
-    is the full ranking's (tests/store/test_fair_pick.py compares the two row for row); its cost
-    grows with the projects and `limit`, not with the pending rows."""
+    that orders fairly; `share` ranks them."""
     return f"""SELECT {_PICK_COLUMNS}, share FROM (
-              WITH RECURSIVE projects (project_id) AS (
-                  (SELECT project_id FROM pending_jobs
-                   WHERE workspace_id = $1 AND {FAIR}{also}
-                   ORDER BY project_id LIMIT 1)
-                  UNION ALL
-                  SELECT (SELECT n.project_id FROM pending_jobs n
-                          WHERE n.workspace_id = $1 AND n.project_id > projects.project_id
-                          ORDER BY n.project_id LIMIT 1)
-                  FROM projects WHERE projects.project_id IS NOT NULL
-              )
-              SELECT {qualified("heads", _PICK_COLUMNS)}, runs.running + heads.nth AS share
-              FROM projects
-              CROSS JOIN LATERAL (SELECT count(*) AS running FROM running_jobs r
-                                  WHERE r.workspace_id = $1
-                                    AND r.project_id = projects.project_id) AS runs
-              CROSS JOIN LATERAL (
-                  SELECT {_PICK_COLUMNS}, row_number() OVER (ORDER BY {PLAIN_ORDER}) AS nth
-                  FROM pending_jobs
-                  WHERE {CLAIMABLE} AND project_id = projects.project_id
-                  ORDER BY {PLAIN_ORDER}
-                  LIMIT {limit}) AS heads
-              WHERE projects.project_id IS NOT NULL) AS ranked
+              SELECT {_PICK_COLUMNS},
+                     coalesce((SELECT count(*) FROM running_jobs r
+                               WHERE r.workspace_id = $1
+                                 AND r.project_id = pending_jobs.project_id), 0)
+                     + row_number() OVER (PARTITION BY project_id ORDER BY {PLAIN_ORDER}) AS share
+              FROM pending_jobs
+              WHERE {CLAIMABLE} AND {FAIR}{also}) AS ranked
           ORDER BY share, {PLAIN_ORDER}
           LIMIT {limit}"""  # noqa: S608 -- constants and the caller's constant limit
 
