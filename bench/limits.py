@@ -1,25 +1,26 @@
 """Connection limits (issue 11): the HTTP lifecycle before and after them, in the same run.
 
-Two replicas on one PostgreSQL, each on a database of its own which it migrates itself (the
-baseline's migrations are older than this tree's): one runs this tree, the other the tree before
-the limits (harness.baseline_tree: BENCH_BASELINE_REF, default 78daf06, or BENCH_BASELINE_TREE).
-Each round runs bench/throughput.py's HTTP lifecycle, with this tree's client, through one replica
-and then the other, the order alternating from round to round, so a slow spell of the machine
-falls on both; each run also records the replica's CPU time per job. Before measuring, each
-replica names the `controlplane` it imported, and a 20 KiB header tells the two apart by
-behaviour: the baseline answers it 200, this tree 431. bench/compare.py does the same for every
-figure of throughput, dispatch and demand, each side with its own tree's client too.
+Two sides on one PostgreSQL, opened as bench/compare.py opens them: the tree before the limits
+(harness.baseline_tree: BENCH_BASELINE_REF, default 78daf06, or BENCH_BASELINE_TREE) and this
+tree, each with a database of its own migrated by its own replica, and a measuring process in its
+own tree's code. The measuring process must be the side's own: bench/throughput.py fills the
+queue through the store, and this tree's enqueue writes columns (priority, concurrency keys) the
+older schema does not have. Each round runs the HTTP lifecycle through one side's first replica
+and then the other's, the order alternating from round to round, so a slow spell of the machine
+falls on both; each run also records the replica's CPU time per job. Before measuring, a 20 KiB
+header tells the two apart by behaviour: the baseline answers it 200, this tree 431.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
-from bench import harness, throughput
+from bench import compare, harness
 
 RUNNER_COUNTS = (10, 50, 200)
-JOBS = 2000
+JOBS = 3000
 ROUNDS = 7
 BASELINE_REF = "78daf06"
 
@@ -42,53 +43,54 @@ def head_status(address: str, header_bytes: int) -> int:
 async def run(
     jobs: int = JOBS, runner_counts: tuple[int, ...] = RUNNER_COUNTS, rounds: int = ROUNDS
 ) -> dict[str, Any]:
+    """Sizes from BENCH_LIMITS_JOBS and BENCH_LIMITS_ROUNDS when set."""
+    jobs = int(os.environ.get("BENCH_LIMITS_JOBS", jobs))
+    rounds = int(os.environ.get("BENCH_LIMITS_ROUNDS", rounds))
     harness.raise_fd_limit()
     results: dict[str, Any] = {"jobs_per_run": jobs, "rounds": rounds, "runs": {}}
+    measurements = [
+        compare.Measurement(
+            "throughput", f"HTTP lifecycle, {n} runners", "http_lifecycle", n, jobs, 1
+        )
+        for n in runner_counts
+    ]
+    tracks: dict[str, compare.Track] = {}
     with harness.baseline_tree(BASELINE_REF) as (tree, name), harness.postgres() as server:
         results["baseline"] = name
-        urls = {side: await harness.empty_database(server) for side in ("before", "after")}
-        started: list[harness.Replica] = []
-        try:
-            for side, side_tree in (("before", tree), ("after", harness.ROOT)):
-                started.append(await harness.start_tree_replica(urls[side], side_tree))
-            before, after = started
-            assert head_status(before.address, 20 * 1024) == 200, "baseline has a head limit"
-            assert head_status(after.address, 20 * 1024) == 431, "this tree has no head limit"
-            for count in runner_counts:
-                rates = harness.BeforeAfter()
-                # The replica's own CPU per job: what the limits could cost, and much less
-                # swayed than jobs/s by other work on the machine.
-                cpu = harness.BeforeAfter()
-                for index in range(rounds):
-                    order = [("before", before), ("after", after)]
-                    for side, replica in harness.alternated(index, order):
-                        spent = harness.cpu_seconds(replica.process.pid)
-                        rate = await throughput.http_lifecycle(
-                            urls[side], [replica.address], count, jobs
-                        )
-                        spent = harness.cpu_seconds(replica.process.pid) - spent
-                        rates.add(side, rate)
-                        cpu.add(side, spent / jobs * 1e6)
-                per_s, used = rates.summary(), cpu.summary()
-                results["runs"][str(count)] = {
-                    "before_jobs_per_s": per_s["before"],
-                    "after_jobs_per_s": per_s["after"],
-                    "after_to_before": per_s["after_to_before"],
-                    "paired_after_to_before": per_s["paired_after_to_before"],
-                    "before_cpu_us_per_job": used["before"],
-                    "after_cpu_us_per_job": used["after"],
-                    "before_rounds": per_s["before_rounds"],
-                    "after_rounds": per_s["after_rounds"],
-                }
-                print(
-                    f"{count:>4} runners: before {per_s['before']:.0f} jobs/s, after "
-                    f"{per_s['after']:.0f} jobs/s ({per_s['after_to_before']:.3f}; medians of "
-                    f"{rounds}; median of the rounds' ratios "
-                    f"{per_s['paired_after_to_before']:.3f}); replica CPU per job "
-                    f"{used['before']:.0f} -> {used['after']:.0f} us"
-                )
-        finally:
-            harness.stop_replicas(started)
+        async with (
+            compare.open_side("before", tree, server) as before,
+            compare.open_side("after", harness.ROOT, server) as after,
+        ):
+            compare.check_code(before, after)
+            assert head_status(before.replicas[0].address, 20 * 1024) == 200, "baseline limits"
+            assert head_status(after.replicas[0].address, 20 * 1024) == 431, "no head limit"
+            for index in range(rounds):
+                for measured in measurements:
+                    for side in harness.alternated(index, (before, after)):
+                        value, cpu_s = await side.measure(measured)
+                        said = compare.record(tracks, measured, side.name, value, cpu_s)
+                        print(f"round {index + 1}/{rounds}, {said}")
+    for count, measured in zip(runner_counts, measurements, strict=True):
+        rate = tracks[f"throughput: {measured.title}: jobs/s"].values.summary()
+        cpu = tracks[f"throughput: {measured.title}: replica CPU us/job"].values.summary()
+        results["runs"][str(count)] = {
+            "before_jobs_per_s": rate["before"],
+            "after_jobs_per_s": rate["after"],
+            "after_to_before": rate["after_to_before"],
+            "paired_after_to_before": rate["paired_after_to_before"],
+            "before_cpu_us_per_job": cpu["before"],
+            "after_cpu_us_per_job": cpu["after"],
+            "paired_cpu_after_to_before": cpu["paired_after_to_before"],
+            "before_rounds": rate["before_rounds"],
+            "after_rounds": rate["after_rounds"],
+        }
+        print(
+            f"{count:>4} runners: before {rate['before']:.0f} jobs/s, after "
+            f"{rate['after']:.0f} jobs/s ({rate['after_to_before']:.3f}; medians of {rounds}; "
+            f"median of the rounds' ratios {rate['paired_after_to_before']:.3f}); replica CPU "
+            f"per job {cpu['before']:.0f} -> {cpu['after']:.0f} us "
+            f"(rounds' ratios {cpu['paired_after_to_before']:.3f})"
+        )
     path = harness.write_result("limits", results)
     print(f"wrote {path}")
     return results
