@@ -160,7 +160,9 @@ def _routes(replica: Replica | None) -> list[BaseRoute]:
             given(lambda r: eligibility.Deps(r.settings, r.pool, r.auth, r.demand.wake_all))
         ),
         *jobs.routes(given(lambda r: jobs.Deps(r.settings, r.pool, r.auth, r.feed))),
-        *pauses.routes(given(lambda r: pauses.Deps(r.settings, r.pool, r.auth))),
+        *pauses.routes(
+            given(lambda r: pauses.Deps(r.settings, r.pool, r.auth, r.dispatcher.runner_paused))
+        ),
         *provisioners.routes(
             given(lambda r: provisioners.Deps(r.settings, r.pool, r.auth, r.keys))
         ),
@@ -203,6 +205,8 @@ def build(replica: Replica | None) -> Starlette:
     app.state.settings = None if replica is None else replica.settings
     if replica is not None:  # the operator pages answer where no API route does
         r = replica
-        pages = PageDeps(r.settings, r.pool, r.feed, r.pulse, r.closing, r.history)
+        pages = PageDeps(
+            r.settings, r.pool, r.feed, r.pulse, r.closing, r.history, r.dispatcher.runner_paused
+        )
         app.router.default = ui.beside(app.router.default, pages)
     return app

@@ -6,7 +6,9 @@ store/pauses.py's."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from uuid import UUID
 
 import asyncpg
 from starlette.requests import Request
@@ -33,15 +35,16 @@ class Deps:
     settings: Settings
     pool: asyncpg.Pool
     auth: auth.Authenticator
+    heard: PauseHeard  # the dispatcher's `runner_paused`: see heard_here
 
 
 _BODY = (
     "The body is optional (`{{}}`, `null` or none): `reason`, 1-512 characters, not blank, no "
     "control or format characters, is kept in the audit event. Idempotent: when the target is "
     "already so, nothing is written, no event is added, and the answer has `changed: false` and "
-    "the first change's `since` and `reason`. Effective on every replica within a second: "
-    "each replica's claims read the state from the database, and a notification reaches the "
-    "parked requests. Audited in the event feed ({events}) with `by` (the admin key's id), "
+    "the first change's `since` and `reason`. Effective at once on the replica that answers "
+    "and on every other within a second: each replica's claims read the state from the "
+    "database, and a notification reaches the parked requests. Audited in the event feed ({events}) with `by` (the admin key's id), "
     "`by_name` and `reason`. 409 `conflict` only when concurrent pauses and resumes of the "
     "target kept changing it while this one read it three times; retry."
 )
@@ -90,6 +93,19 @@ def _out(state: PauseState) -> wire.PauseOut:
     )
 
 
+# (workspace id, runner session id, paused): actors/dispatch.py Dispatcher.runner_paused.
+PauseHeard = Callable[[UUID, UUID, bool], None]
+
+
+def heard_here(heard: PauseHeard, state: PauseState) -> None:
+    """This replica made the change: its own runner requests see it at once, not when its
+    listener hears the NOTIFY (a runner resumed here and asking here next must not be answered
+    "paused" from the replica's memory). Every other replica learns it from the NOTIFY; hearing
+    it here too changes nothing (noting a pause twice is noting it once)."""
+    if state.kind is PauseKind.RUNNER and state.workspace_id is not None:
+        heard(state.workspace_id, state.target_id, state.paused)
+
+
 async def _change(
     svc: Deps, request: Request, kind: PauseKind, param: str, action: str, *, paused: bool
 ) -> Response:
@@ -107,6 +123,7 @@ async def _change(
             operator=Operator(actor.id, actor.name),
             reason=body.reason,
         )
+    heard_here(svc.heard, state)
     if state.changed:
         metrics.pause_changes.labels(kind.value, action).inc()
         log.info(

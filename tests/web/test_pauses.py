@@ -13,6 +13,7 @@ import httpx
 from controlplane import metrics
 from controlplane.app import Daemon
 from tests.web.conftest import Api
+from tests.web.test_ui import _hidden, browser, sign_in
 
 
 def _dispatcher(daemon: Daemon) -> Any:
@@ -162,3 +163,38 @@ async def test_q78_pause_routes_validate_and_404_unknown_ids(api: Api) -> None:
     second = await _admin(api, f"workspaces/{never_seen}/pause", {"reason": "x" * 512})
     assert second.status_code == 200 and second.json()["changed"] is False
     assert second.json()["reason"] is None  # the first pause's
+
+
+async def test_a_runner_resumed_on_this_replica_is_served_here_before_its_notify_is_heard(
+    api: Api,
+) -> None:
+    """Read your own writes: the replica that resumes a runner forgets the pause at once, not
+    when its listener hears the NOTIFY. The listener is held deaf to pause changes after the
+    pause is heard (its handler looks the dispatcher's method up at each delivery; the routes
+    were handed theirs when built), which forces the window the page test once lost under load:
+    the resume committed, its NOTIFY not yet heard, the runner's next request on this replica."""
+    token, session_id = await _register(api)
+    session = uuid.UUID(session_id)
+    dispatcher = _dispatcher(api.daemon)
+    assert (await _admin(api, f"runners/{session_id}/pause")).status_code == 200
+    await _until(lambda: dispatcher.paused.holds(session))
+    held: list[tuple[uuid.UUID, uuid.UUID, bool]] = []
+    dispatcher.runner_paused = lambda *change: held.append(change)  # the listener's path only
+    job = api.job()
+    assert (await api.enqueue(job)).status_code == 200
+    resumed = await _admin(api, f"runners/{session_id}/resume")
+    assert resumed.status_code == 200 and resumed.json()["changed"] is True
+    assert not dispatcher.paused.holds(session)
+    got = await api.request_job(token)
+    assert got.status_code == 200, got.headers
+    assert got.json()["job_execution_id"] == job["job_execution_id"]
+    # The page's resume does the same (web/ui/actions.py shares web/pauses.py heard_here).
+    assert (await _admin(api, f"runners/{session_id}/pause")).status_code == 200
+    dispatcher.paused.note(session, True)  # as if this pause's NOTIFY were heard
+    async with browser(api) as client:
+        await sign_in(client, api.admin_key)
+        csrf = _hidden((await client.get("/ui/runners")).text, "csrf")
+        done = await client.post(f"/ui/runners/{session_id}/resume", data={"csrf": csrf})
+        assert done.status_code == 303
+    assert not dispatcher.paused.holds(session)
+    assert held  # the listener did hear the changes; it only could not act on them

@@ -20,6 +20,7 @@ from controlplane.domain.jobs import Outcome
 from controlplane.domain.pauses import Operator, PauseKind
 from controlplane.errors import ControlPlaneError
 from controlplane.store import credentials, job_views, leases, pauses, ui_sessions
+from controlplane.web.pauses import heard_here
 from controlplane.web.ui import roles
 from controlplane.web.ui.render import page
 from controlplane.web.ui.roles import Principal
@@ -166,6 +167,7 @@ async def _pause_change(svc: Deps, request: Request, kind: PauseKind, *, paused:
             )
         except ControlPlaneError as error:
             raise HTTPException(404, str(error)) from error
+    heard_here(svc.heard, state)
     if state.changed:
         metrics.pause_changes.labels(kind.value, "pause" if paused else "resume").inc()
     svc.feed.poke()

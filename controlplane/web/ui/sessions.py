@@ -33,6 +33,7 @@ from controlplane.domain.credentials import Credential
 from controlplane.errors import ControlPlaneError
 from controlplane.settings import Settings
 from controlplane.store import credentials, ui_sessions
+from controlplane.web.pauses import PauseHeard
 from controlplane.web.ui.plots import QueueHistory
 from controlplane.web.ui.pulse import Pulse
 from controlplane.web.ui.render import page
@@ -52,6 +53,7 @@ class Deps:
     pulse: Pulse  # enqueues heard by this replica's listener
     closing: anyio.Event  # set at shutdown: live streams end
     history: QueueHistory  # the overview's plots
+    heard: PauseHeard  # the dispatcher's `runner_paused` (web/pauses.py heard_here)
 
 
 def csrf_of(secret: str) -> str:
