@@ -313,6 +313,7 @@ class Daemon:
         dispatcher = Dispatcher(
             PoolClaims(pool, throttle),
             tick_seconds=settings.maintenance.dispatch_safety_tick_seconds,
+            idle_seconds=settings.maintenance.dispatch_actor_idle_seconds,
             # Parked runners are stamped every three throttle windows (30 s by default): well
             # inside the admin view's 60 s "seen recently", a third of the row writes.
             touch_seconds=3 * runners.liveness_throttle_seconds,
