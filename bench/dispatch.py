@@ -75,25 +75,17 @@ async def measure(url: str, addresses: list[str], runners: int, samples: int) ->
     arrivals: dict[uuid.UUID, tuple[anyio.Event, list[float]]] = {}
     latencies: list[float] = []
 
+    def handed(execution: str, at: float) -> None:
+        event, stamp = arrivals[uuid.UUID(execution)]
+        stamp.append(at)
+        event.set()
+
     async def runner(address: str) -> None:
         conn = wire.Connection(address)
         status, body = await conn.post("/v1/runners/register", registration, {"labels": ["linux"]})
         assert status == 200, (status, body)
-        session = body["session_token"]
         try:
-            while True:
-                try:
-                    status, body = await conn.post("/v1/runners/jobs/request?wait=50", session)
-                except (wire.Closed, ConnectionError):
-                    continue  # the server closed the kept-alive connection: ask again
-                if status != 200:
-                    continue
-                now = time.perf_counter()
-                event, stamp = arrivals[uuid.UUID(body["job_execution_id"])]
-                stamp.append(now)
-                event.set()
-                path = f"/v1/runners/jobs/{body['job_execution_id']}/complete"
-                await conn.post(path, body["lease_token"], {"outcome": "succeeded"})
+            await harness.poll_for_jobs(conn, body["session_token"], handed)
         finally:
             await conn.aclose()
 

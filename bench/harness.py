@@ -15,8 +15,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 import anyio
 import asyncpg
 
+from bench import wire
 from controlplane.domain.jobs import JobIdentity, NewJob, SessionClaims
 from controlplane.store import migrations, sessions
 from controlplane.store.embedded import EmbeddedPostgres
@@ -312,6 +314,24 @@ async def start_tree_replica(database_url: str, tree: Path) -> Replica:
         stop_replicas([replica])
         raise RuntimeError(f"a replica of {tree} runs {replica.code}")
     return replica
+
+
+async def poll_for_jobs(
+    conn: wire.Connection, session: str, handed: Callable[[str, float], None]
+) -> None:
+    """A runner on a long poll, until cancelled: a job it is handed is reported to `handed` (its
+    execution id, and time.perf_counter() as soon as the answer was read), completed, and the
+    runner parks again. The caller opens and closes `conn`."""
+    while True:
+        try:
+            status, body = await conn.post("/v1/runners/jobs/request?wait=50", session)
+        except (wire.Closed, ConnectionError):
+            continue  # the server closed a kept-alive connection: ask again
+        if status != 200:
+            continue
+        handed(body["job_execution_id"], time.perf_counter())
+        path = f"/v1/runners/jobs/{body['job_execution_id']}/complete"
+        await conn.post(path, body["lease_token"], {"outcome": "succeeded"})
 
 
 def cpu_seconds(pid: int) -> float:

@@ -121,7 +121,8 @@ class Sizes:
     parked_workspaces: int = 2000
     parked_replicas: int = 2
     dispatch_samples: int = 200
-    actor_idle_wait: float = 75.0  # the actors retire 60 s after their last waiter; 0 skips
+    # Actors retire 60 s after their last waiter before i16-dispatch, 5 s after it; 0 skips.
+    actor_idle_wait: float = 75.0
     # fanout
     fanout_rate: float = 1000.0
     fanout_workspaces: int = 10_000

@@ -194,21 +194,11 @@ class Arrivals:
             self.events.pop(execution, anyio.Event()).set()
 
 
-async def parked_runner(address: str, session: str, handed: Callable[[str], None]) -> None:
-    """A runner on a long poll: a job it is handed is reported to `handed` (its execution id),
-    completed, and the runner parks again."""
+async def parked_runner(address: str, session: str, handed: Callable[[str, float], None]) -> None:
+    """A runner on a long poll over a connection of its own (harness.poll_for_jobs)."""
     conn = wire.Connection(address)
     try:
-        while True:
-            try:
-                status, body = await conn.post("/v1/runners/jobs/request?wait=50", session)
-            except (wire.Closed, ConnectionError):
-                continue  # the server closed a kept-alive connection: ask again
-            if status != 200:
-                continue
-            handed(body["job_execution_id"])
-            path = f"/v1/runners/jobs/{body['job_execution_id']}/complete"
-            await conn.post(path, body["lease_token"], {"outcome": "succeeded"})
+        await harness.poll_for_jobs(conn, session, handed)
     finally:
         await conn.aclose()
 

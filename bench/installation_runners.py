@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import anyio
 
@@ -25,8 +24,8 @@ BATCH = 250  # runners connecting at once: stay well inside the listen backlog
 async def hold(addresses: list[str], sessions: list[str]) -> None:
     harness.raise_fd_limit()
 
-    def handed(execution: str) -> None:
-        sys.stdout.write(json.dumps({"job": execution, "at": time.perf_counter()}) + "\n")
+    def handed(execution: str, at: float) -> None:
+        sys.stdout.write(json.dumps({"job": execution, "at": at}) + "\n")
         sys.stdout.flush()
 
     async with anyio.create_task_group() as group:

@@ -15,6 +15,7 @@ undelivered. The embedded server, if we started it, is stopped last.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -267,9 +268,21 @@ def _on_cancel(cancels: CancelBoard, demand: DemandBoard) -> Callable[[str], Non
 
 async def serve(settings: Settings, *, on_ready: Callable[[str], None] | None = None) -> None:
     """Run the daemon until SIGTERM or SIGINT."""
+
+    def ready(address: str) -> None:
+        # What start-up built lives as long as the process: out of every later full collection.
+        # With thousands of parked long-polls a full collection stalls the event loop (about
+        # 150 ms of CPU each, a few a minute, as the polls turn over); frozen start-up objects
+        # halved that in bench/installation's parked part (docs/benchmarks.md). Not in Daemon:
+        # tests run many daemons in one process.
+        gc.collect()
+        gc.freeze()
+        if on_ready is not None:
+            on_ready(address)
+
     async with database(settings) as url:
         daemon = Daemon(settings, url)
-        await daemon.run(on_ready=on_ready, handle_signals=True)
+        await daemon.run(on_ready=ready, handle_signals=True)
 
 
 class Daemon:
@@ -313,6 +326,7 @@ class Daemon:
         dispatcher = Dispatcher(
             PoolClaims(pool, throttle),
             tick_seconds=settings.maintenance.dispatch_safety_tick_seconds,
+            idle_seconds=settings.maintenance.dispatch_actor_idle_seconds,
             # Parked runners are stamped every three throttle windows (30 s by default): well
             # inside the admin view's 60 s "seen recently", a third of the row writes.
             touch_seconds=3 * runners.liveness_throttle_seconds,

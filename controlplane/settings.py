@@ -104,6 +104,8 @@ class Maintenance(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     session_gc_interval_seconds: Annotated[float, msgspec.Meta(ge=1, le=86_400)] = 300.0
     session_gc_batch_size: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 1000
     dispatch_safety_tick_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=600)] = 5.0
+    # A workspace's dispatch actor retires this long after its last parked runner left.
+    dispatch_actor_idle_seconds: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 5.0
     provisioning_interval_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] = 10.0
     retention_interval_seconds: Annotated[float, msgspec.Meta(ge=1, le=86_400)] = 3600.0
     retention_batch_size: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000

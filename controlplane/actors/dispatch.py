@@ -27,10 +27,24 @@ Liveness. Parked runners' sessions are stamped together, one statement per works
 `touch_seconds` (`ClaimStore.touch`), not one per runner: with 10,000 runners parked, the database
 sees a handful of statements per tick, none per runner.
 
-Delivery and put-back. A claim is handed to its waiter only if the waiter is still waiting; the
-request handler marks a waiter abandoned when its deadline passes or its client disconnects, in
-the same event-loop step as it stops waiting, so exactly one side owns the job: a claim made for
-an abandoned waiter is put back at its original queue position at once, never left to expire.
+Delivery and put-back: actors/waiters.py. A waiter that stops waiting (answered, failed, or
+abandoned by its request handler when its deadline passed or its client went away) leaves its
+actor's waiters in that same step, so the actor holds only waiting runners and `parked` is exact.
+
+Retirement. An actor costs nothing once nobody is parked with it: `idle_seconds`
+(`maintenance.dispatch_actor_idle_seconds`) after its last waiter left it returns, and the
+dispatcher forgets it; the next waiter of the workspace starts a new one. Wake-ups that arrive
+while nobody is parked update the hint and the empty label sets but run no pass and do not
+extend the idle time (every replica hears every enqueue). The rule that loses no wake-up:
+* the actor decides to retire only with nobody parked, and that check, its return and the
+  dispatcher's removal of it happen in one event-loop step, with no await between;
+* so a waiter parked before that step is the actor's (it is not retired), and one parked after
+  it finds no actor and starts a fresh one, which knows no label set to be empty and claims for
+  its first waiter at once;
+* a wake-up for a retired actor is dropped: nobody on this replica waits for it, and the NOTIFY
+  is sent only after its job committed, so the fresh actor's first claim, made later, sees it;
+* a wake-up that reaches the actor while nobody is parked, before it retires, still forgets the
+  empty label sets it covers, so a waiter parked next is tried, not skipped as "known empty".
 
 Pauses: the claim statements refuse paused workspaces and sessions (store/pauses.py). A NOTIFY
 that a session was paused answers its waiters `RunnerPaused` (a "paused" 204), and its later
@@ -42,32 +56,28 @@ holds at most `_MAX_HINTS` label sets before it collapses to "all".
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Protocol
 from uuid import UUID
 
 import anyio
 from anyio.abc import TaskGroup
 
-from controlplane import metrics
 from controlplane.actors.paused import PausedSessions
+from controlplane.actors.waiters import PutBackStore, Waiter, WaiterState, observe_claim, put_back
 from controlplane.domain.jobs import ClaimedJob, SessionClaims
 from controlplane.domain.labels import LabelSet
 from controlplane.errors import ControlPlaneError, RunnerPaused, ShuttingDown, Unavailable
-from controlplane.retry import Backoff
-from controlplane.store.claiming import MAX_BATCH, ProvisionedClaim
+from controlplane.store.claiming import MAX_BATCH
 
 log = logging.getLogger("controlplane.dispatch")
 
 _MAX_HINTS = 64
-_PUT_BACK_ATTEMPTS = 3
 _ALL = None  # a hint of None means: anything may have changed
 
 
-class ClaimStore(Protocol):
+class ClaimStore(PutBackStore, Protocol):
     async def claim(self, session: SessionClaims) -> ClaimedJob | None: ...
 
     async def claim_batch(
@@ -75,53 +85,6 @@ class ClaimStore(Protocol):
     ) -> dict[UUID, ClaimedJob]: ...
 
     async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None: ...
-
-    async def put_back(self, job_execution_id: UUID, runner_session_id: UUID) -> bool: ...
-
-
-class WaiterState(enum.Enum):
-    WAITING = "waiting"
-    DELIVERED = "delivered"
-    FAILED = "failed"
-    ABANDONED = "abandoned"
-
-
-@dataclass(eq=False, slots=True)
-class Waiter:
-    """A parked job request. `done` is set when it is answered; `on_answer`, when the request
-    handler set one, is called too (the handler cancels its wait with it, so a parked request
-    needs no second task to watch for its answer)."""
-
-    session: SessionClaims
-    state: WaiterState = WaiterState.WAITING
-    job: ClaimedJob | None = None
-    error: ControlPlaneError | None = None
-    done: anyio.Event = field(default_factory=anyio.Event)
-    on_answer: Callable[[], object] | None = None
-
-    def deliver(self, job: ClaimedJob) -> bool:
-        if self.state is not WaiterState.WAITING:
-            return False
-        self.state, self.job = WaiterState.DELIVERED, job
-        self._answered()
-        return True
-
-    def fail(self, error: ControlPlaneError) -> None:
-        if self.state is WaiterState.WAITING:
-            self.state, self.error = WaiterState.FAILED, error
-            self._answered()
-
-    def _answered(self) -> None:
-        self.done.set()
-        if self.on_answer is not None:
-            self.on_answer()
-
-    def abandon(self) -> bool:
-        """Stop waiting. False when a job was delivered first (the caller then owns it)."""
-        if self.state is WaiterState.WAITING:
-            self.state = WaiterState.ABANDONED
-            self.done.set()
-        return self.state is not WaiterState.DELIVERED
 
 
 def _covered(labels: LabelSet, exhausted: Iterable[LabelSet]) -> bool:
@@ -134,48 +97,6 @@ def _wanted(labels: LabelSet, hint: set[LabelSet] | None) -> bool:
         return True
     own = set(labels)
     return any(set(required) <= own for required in hint)
-
-
-def _observe_claim(job: ClaimedJob) -> None:
-    """Queue time (spec J-31/J-32) and, on a provisioned runner's first claim, the time since
-    its activation. A claim without a provisioner link is a manual runner's."""
-    provider, launch_kind = "unknown", "manual"
-    if isinstance(job, ProvisionedClaim):
-        provider = metrics.provider_label(job.provider_kind)
-        launch_kind = job.launch_kind or "unknown"
-        if job.activated_at is not None:
-            since = (job.started_at - job.activated_at).total_seconds()
-            metrics.observe_seconds(metrics.activation_to_first_claim, since, provider, launch_kind)
-    queued = (job.started_at - job.queued_at).total_seconds()
-    metrics.observe_seconds(metrics.queue_time, queued, provider, launch_kind)
-
-
-async def put_back(store: ClaimStore, job: ClaimedJob, runner_session_id: UUID) -> None:
-    """Return an undelivered claim to the queue, retrying briefly if the database blips.
-
-    Shielded, so a shutdown cannot interrupt it. If every attempt fails, the lease (never
-    heartbeated) is expired by the reaper after the no-first-heartbeat grace: the job then ends
-    `expired`, and the orchestrator decides whether to run it again. The retries bound that loss
-    to outages over about a second.
-    """
-    execution = job.identity.job_execution_id
-    retry = Backoff(0.25, 0.25 * _PUT_BACK_ATTEMPTS, linear=True)  # 0.25 s, then 0.5 s
-    with anyio.CancelScope(shield=True):
-        for attempt in range(1, _PUT_BACK_ATTEMPTS + 1):
-            try:
-                await store.put_back(execution, runner_session_id)
-                return
-            except Exception as error:
-                log.warning(
-                    "dispatch.put_back_failed",
-                    extra={
-                        "job_execution_id": str(execution),
-                        "attempt": attempt,
-                        "error": repr(error),
-                    },
-                )
-            if attempt < _PUT_BACK_ATTEMPTS:  # after the last, the reaper's grace takes over
-                await anyio.sleep(retry.next())
 
 
 class WorkspaceActor:
@@ -191,8 +112,12 @@ class WorkspaceActor:
         self._tick = tick_seconds
         self._touch_every = touch_seconds
         self._touched_at = -touch_seconds
-        self._waiters: list[Waiter] = []
-        self._new: list[Waiter] = []
+        # Exactly the waiters still waiting, in arrival order (dicts as ordered sets): a waiter
+        # leaves them in the step it stops waiting (`_left`), so `parked` is exact and an actor
+        # whose runners all went away knows it at once.
+        self._waiters: dict[Waiter, None] = {}
+        self._new: dict[Waiter, None] = {}
+        self._idle_since = anyio.current_time()  # when the last waiter left
         self._hint: set[LabelSet] | None = set()
         self._empty: list[LabelSet] = []  # label sets a claim found nothing for, still true
         self._wakes = 0  # wake-ups with labels so far: an empty claim they overlap is not cached
@@ -203,8 +128,16 @@ class WorkspaceActor:
         return len(self._waiters) + len(self._new)
 
     def park(self, waiter: Waiter) -> None:
-        self._new.append(waiter)
+        waiter.on_leave = self._left
+        self._new[waiter] = None
         self._wake.set()
+
+    def _left(self, waiter: Waiter) -> None:
+        self._waiters.pop(waiter, None)
+        self._new.pop(waiter, None)
+        if not self._waiters and not self._new:
+            self._idle_since = anyio.current_time()
+            self._wake.set()  # from the safety tick's timer to the idle one
 
     def wake(self, labels: LabelSet | None) -> None:
         if labels is None or self._hint is None:
@@ -219,7 +152,8 @@ class WorkspaceActor:
             if len(self._hint) > _MAX_HINTS:
                 self._hint = _ALL
                 self._empty = []
-        self._wake.set()
+        if self._waiters or self._new:  # else nobody to claim for, and the idle time runs on
+            self._wake.set()
 
     def answer_paused(self, runner_session_id: UUID) -> None:
         """Answer a paused session's waiters; wake the rest (a claim may have cached empty)."""
@@ -230,20 +164,24 @@ class WorkspaceActor:
 
     def drain(self, error: ControlPlaneError) -> None:
         for waiter in [*self._waiters, *self._new]:
-            waiter.fail(error)
-        self._waiters.clear()
-        self._new.clear()
+            waiter.fail(error)  # each leaves the dicts as it fails
 
     async def run(self, idle_seconds: float) -> None:
-        """Serve until nobody has waited for `idle_seconds`, then return (the caller retires us)."""
+        """Serve until nobody has waited for `idle_seconds`, then return (the caller retires us
+        in the same step: see "Retirement" above)."""
         while True:
-            with anyio.move_on_after(self._tick if self._waiters else idle_seconds) as scope:
-                await self._wake.wait()
-            if scope.cancelled_caught:
-                if not self._waiters and not self._new:
+            if self._waiters or self._new:
+                with anyio.move_on_after(self._tick) as tick:
+                    await self._wake.wait()
+                if tick.cancelled_caught:  # the safety tick: anything may have changed
+                    self._hint = _ALL
+                    self._empty = []
+            else:
+                retire_at = self._idle_since + idle_seconds
+                with anyio.move_on_after(retire_at - anyio.current_time()):
+                    await self._wake.wait()
+                if not self._waiters and not self._new and anyio.current_time() >= retire_at:
                     return
-                self._hint = _ALL
-                self._empty = []
             self._wake = anyio.Event()
             await self._pass()
             await self._touch()
@@ -261,8 +199,8 @@ class WorkspaceActor:
             log.warning("dispatch.touch_failed", extra={"error": repr(error)})
 
     async def _pass(self) -> None:
-        self._waiters = [w for w in self._waiters if w.state is WaiterState.WAITING]
-        newcomers, self._new = self._new, []
+        newcomers = list(self._new)
+        self._new.clear()
         hint, self._hint = self._hint, set()
         order: list[Waiter] = []
         if hint is _ALL or hint:
@@ -277,11 +215,9 @@ class WorkspaceActor:
                     order.append(waiter)
         for waiter in newcomers:
             # Newcomers queue behind everyone already parked; each is tried once on arrival.
-            if waiter.state is WaiterState.WAITING:
-                self._waiters.append(waiter)
-                order.append(waiter)
+            self._waiters[waiter] = None
+            order.append(waiter)
         await self._serve(order)
-        self._waiters = [w for w in self._waiters if w.state is WaiterState.WAITING]
 
     async def _serve(self, order: list[Waiter]) -> None:
         """Claim for `order`, in order. A run of consecutive uncapped waiters with the same labels
@@ -391,7 +327,7 @@ class WorkspaceActor:
     async def _hand_over(self, job: ClaimedJob, waiter: Waiter) -> None:
         """Deliver a committed claim, or put it back when its waiter stopped waiting."""
         if waiter.deliver(job):
-            _observe_claim(job)
+            observe_claim(job)
         else:
             await put_back(self._store, job, waiter.session.runner_session_id)
 
@@ -406,13 +342,17 @@ class Dispatcher:
         tick_seconds: float,
         touch_seconds: float = 10.0,
         max_waiters_per_workspace: int = 20_000,
-        idle_seconds: float = 60.0,
+        idle_seconds: float = 5.0,
+        on_retire: Callable[[UUID], None] | None = None,
     ) -> None:
+        """`on_retire` is called with the workspace in the very step its actor is forgotten
+        (tests use it to make a wake-up or a waiter arrive in that step)."""
         self._store = store
         self._tick = tick_seconds
         self._touch = touch_seconds
         self._max_waiters = max_waiters_per_workspace
         self._idle = idle_seconds
+        self._on_retire = on_retire
         self._actors: dict[UUID, WorkspaceActor] = {}
         self._group: TaskGroup | None = None
         self._closed = False
@@ -488,7 +428,9 @@ class Dispatcher:
                 log.exception("dispatch.actor_crashed")
                 await anyio.sleep(0.1)
                 continue
-            # run() returned with nobody parked, and no await separates that check from this
-            # removal, so a waiter cannot be parked with a retired actor.
+            # run() returned with nobody parked, and no await separates its check from this
+            # removal, so a waiter cannot be parked with a retired actor (module docstring).
             del self._actors[actor.workspace_id]
+            if self._on_retire is not None:
+                self._on_retire(actor.workspace_id)
             return

@@ -19,8 +19,9 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane import metrics
 from controlplane.actors.cancels import CancelBoard
-from controlplane.actors.dispatch import Dispatcher, Waiter, WaiterState
+from controlplane.actors.dispatch import Dispatcher
 from controlplane.actors.feed import FeedWatch
+from controlplane.actors.waiters import Waiter, WaiterState
 from controlplane.domain import tokens
 from controlplane.domain.jobs import ClaimedJob, Outcome, SessionClaims
 from controlplane.domain.labels import LabelSet, canonicalise, provisioned_labels, strip_reserved

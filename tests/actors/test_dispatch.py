@@ -13,7 +13,8 @@ import anyio
 import pytest
 import trio.testing
 
-from controlplane.actors.dispatch import Dispatcher, Waiter, WaiterState
+from controlplane.actors.dispatch import Dispatcher
+from controlplane.actors.waiters import Waiter, WaiterState
 from controlplane.domain.jobs import ClaimedJob, JobIdentity, SessionClaims
 from controlplane.domain.labels import LabelSet
 from controlplane.errors import DatabaseUnavailable, Unavailable

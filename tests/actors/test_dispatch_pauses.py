@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import anyio
 
-from controlplane.actors.dispatch import Dispatcher, WaiterState
+from controlplane.actors.dispatch import Dispatcher
+from controlplane.actors.waiters import WaiterState
 from controlplane.errors import RunnerPaused
 from tests.actors.test_dispatch import WORKSPACE, FakeStore, _run, anyio_backend, waiter
 
