@@ -44,9 +44,10 @@ _BODY = (
     "already so, nothing is written, no event is added, and the answer has `changed: false` and "
     "the first change's `since` and `reason`. Effective at once on the replica that answers "
     "and on every other within a second: each replica's claims read the state from the "
-    "database, and a notification reaches the parked requests. Audited in the event feed ({events}) with `by` (the admin key's id), "
-    "`by_name` and `reason`. 409 `conflict` only when concurrent pauses and resumes of the "
-    "target kept changing it while this one read it three times; retry."
+    "database, and a notification reaches the parked requests. Audited in the event feed "
+    "({events}) with `by` (the admin key's id), `by_name` and `reason`. 409 `conflict` only "
+    "when concurrent pauses and resumes of the target kept changing it while this one read it "
+    "three times; retry."
 )
 
 
