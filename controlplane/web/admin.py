@@ -155,6 +155,15 @@ async def create_registration_token(svc: Deps, request: Request) -> Response:
     body = await read_json(
         request, wire.CreateRegistrationToken, svc.settings.server.max_body_bytes
     )
+    return await issue_registration_token(svc, request, actor, body)
+
+
+async def issue_registration_token(
+    svc: Deps, request: Request, actor: Credential, body: wire.CreateRegistrationToken
+) -> Response:
+    """Issue the manual registration token `body` asks for, once per Idempotency-Key, and answer
+    it (201): this admin route's answer, and a workspace's own with its workspace filled in, so
+    that both routes remember one request alike."""
     new = NewCredential(
         Family.REGISTRATION, body.name, body.workspace_id, lifetime(body.ttl_seconds)
     )

@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
+from controlplane.domain.credentials import Credential
 from controlplane.domain.provisioners import Provisioner
 from controlplane.store import credentials, provisioners
 from controlplane.store.pool import Conn
@@ -88,6 +89,15 @@ async def me(svc: Deps, request: Request) -> Response:
 async def create_token(svc: Deps, request: Request) -> Response:
     actor = await svc.auth.admin(request)
     body = await read_json(request, wire.CreateProvisionerToken, svc.settings.server.max_body_bytes)
+    return await issue_token(svc, request, actor, body)
+
+
+async def issue_token(
+    svc: Deps, request: Request, actor: Credential, body: wire.CreateProvisionerToken
+) -> Response:
+    """Issue the provisioner token `body` asks for, once per Idempotency-Key, and answer it
+    (201): this admin route's answer, and a workspace's own with its workspace filled in, so
+    that both routes remember one request alike."""
     new = NewCredential(
         Family.PROVISIONER, body.name, body.workspace_id, lifetime(body.ttl_seconds)
     )

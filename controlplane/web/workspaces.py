@@ -22,16 +22,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from controlplane.domain.credential_rules import Family, NewCredential, lifetime
 from controlplane.domain.credentials import Credential
 from controlplane.errors import NotFound
 from controlplane.store import capabilities, credentials, provisioners, queries
 from controlplane.store.pool import Conn
 from controlplane.web import admin
-from controlplane.web.edge import json_response, path_uuid, read_json
+from controlplane.web.edge import path_uuid, read_json
 from controlplane.web.endpoints import bound
 from controlplane.web.fleet import runners_out
-from controlplane.web.idempotency import create_once, revoke_once
+from controlplane.web.idempotency import revoke_once
 from controlplane.web.operations import (
     ADM,
     IDEMPOTENCY_KEY,
@@ -45,7 +44,7 @@ from controlplane.web.operations import (
     operation,
 )
 from controlplane.web.paging import page_of
-from controlplane.web.provisioners import token_out, token_page
+from controlplane.web.provisioners import issue_token, token_out, token_page
 from controlplane.web.queries import decode
 from controlplane.wire import admin as wire
 from controlplane.wire import provisioners as provisioner_wire
@@ -109,16 +108,8 @@ async def _caller(svc: Deps, request: Request) -> tuple[Credential, UUID]:
 async def create_registration_token(svc: Deps, request: Request) -> Response:
     actor, workspace_id = await _caller(svc, request)
     body = await read_json(request, wire.CreateWorkspaceToken, svc.settings.server.max_body_bytes)
-    new = NewCredential(Family.REGISTRATION, body.name, workspace_id, lifetime(body.ttl_seconds))
-    # The admin route's body, so that both routes remember one request alike.
     same = wire.CreateRegistrationToken(workspace_id, body.name, body.ttl_seconds)
-    created, raw = await create_once(
-        request, svc, actor, "registration_token.create", same, new, credentials.issue_key,
-        credentials.manual_token_by_id,
-    )  # fmt: skip
-    return json_response(
-        wire.CreatedCredential(credential=admin.credential_out(created), token=raw), 201
-    )
+    return await admin.issue_registration_token(svc, request, actor, same)
 
 
 @operation(
@@ -171,15 +162,8 @@ async def revoke_registration_token(svc: Deps, request: Request) -> Response:
 async def create_provisioner_token(svc: Deps, request: Request) -> Response:
     actor, workspace_id = await _caller(svc, request)
     body = await read_json(request, wire.CreateWorkspaceToken, svc.settings.server.max_body_bytes)
-    new = NewCredential(Family.PROVISIONER, body.name, workspace_id, lifetime(body.ttl_seconds))
     same = provisioner_wire.CreateProvisionerToken(body.name, workspace_id, body.ttl_seconds)
-    created, raw = await create_once(
-        request, svc, actor, "provisioner_token.create", same, new,
-        credentials.issue_provisioner, provisioners.by_id,
-    )  # fmt: skip
-    return json_response(
-        provisioner_wire.CreatedProvisionerToken(provisioner=token_out(created), token=raw), 201
-    )
+    return await issue_token(svc, request, actor, same)
 
 
 @operation(
