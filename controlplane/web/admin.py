@@ -31,9 +31,9 @@ from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.operations import (
     ADM,
     KNOBS,
-    PAGE_NOTE,
     Op,
     create,
+    listing,
     operation,
     revoke,
 )
@@ -98,17 +98,7 @@ def credential_page(found: list[Credential], page: Page) -> Response:
     )
 
 
-@operation(
-    Op(
-        "List API keys, newest first, a page at a time",
-        ADM,
-        None,
-        wire.CredentialList,
-        "invalid-cursor",
-        PageQuery,
-        notes=PAGE_NOTE,
-    )
-)
+@operation(listing("List API keys, newest first, a page at a time", wire.CredentialList, PageQuery))
 async def list_api_keys(svc: Deps, request: Request) -> Response:
     await svc.auth.admin(request)
     query = decode(request, PageQuery, svc.settings)
@@ -175,14 +165,10 @@ async def issue_registration_token(
 
 
 @operation(
-    Op(
+    listing(
         "List manual registration tokens, newest first, a page at a time",
-        ADM,
-        None,
         wire.CredentialList,
-        "invalid-cursor",
         TokenPageQuery,
-        notes=PAGE_NOTE,
     )
 )
 async def list_registration_tokens(svc: Deps, request: Request) -> Response:

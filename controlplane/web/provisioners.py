@@ -20,12 +20,12 @@ from controlplane.web.edge import json_response, path_uuid, read_json
 from controlplane.web.endpoints import bound
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.operations import (
-    ADM,
     PAGE_NOTE,
     PT,
     REVOKE_NOTE,
     Op,
     create,
+    listing,
     operation,
     revoke,
 )
@@ -111,14 +111,11 @@ async def issue_token(
 
 
 @operation(
-    Op(
+    listing(
         "List provisioner tokens, newest first, a page at a time",
-        ADM,
-        None,
         wire.ProvisionerTokenList,
-        "invalid-cursor",
         ProvisionerTokenPageQuery,
-        notes=PAGE_NOTE + " `active` pages the same way.",
+        PAGE_NOTE + " `active` pages the same way.",
     )
 )
 async def list_tokens(svc: Deps, request: Request) -> Response:

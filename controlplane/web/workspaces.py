@@ -14,6 +14,7 @@ create of the same workspace, so an Idempotency-Key replays alike through either
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -33,15 +34,13 @@ from controlplane.web.fleet import runners_out
 from controlplane.web.idempotency import revoke_once
 from controlplane.web.operations import (
     ADM,
-    IDEMPOTENCY_KEY,
-    IDEMPOTENT,
-    IDEMPOTENT_NOTE,
-    IDEMPOTENT_REVOKE,
     PAGE_NOTE,
     REVOKE_NOTE,
     WAK,
     Op,
+    create,
     operation,
+    revoke,
 )
 from controlplane.web.paging import page_of
 from controlplane.web.provisioners import issue_token, token_out, token_page
@@ -60,40 +59,21 @@ _SCOPE = "forbidden admin-key-read-only"  # another workspace's key; an observer
 _NOT_YOURS = " A token of another workspace (or of installation scope) is 404, as an unknown id is."
 
 
-def _op(summary: str, answer: type, errors: str = "", **more: Any) -> Op:
+def _workspace(op: Op) -> Op:
     """A workspace route: its workspace admin key, or an installation admin key."""
-    return Op(
-        summary,
-        WAK,
-        answer=answer,
-        errors=f"{_SCOPE} {errors}".strip(),
-        alternative_auth=(ADM,),
-        **more,
-    )
+    return replace(op, auth=WAK, alternative_auth=(ADM,), errors=f"{_SCOPE} {op.errors}".strip())
+
+
+def _op(summary: str, answer: type, errors: str = "", **more: Any) -> Op:
+    return _workspace(Op(summary, answer=answer, errors=errors, **more))
 
 
 def _create(summary: str, answer: type) -> Op:
-    return _op(
-        summary,
-        answer,
-        IDEMPOTENT,
-        body=wire.CreateWorkspaceToken,
-        headers=(IDEMPOTENCY_KEY,),
-        ok=201,
-        notes=IDEMPOTENT_NOTE,
-    )
+    return _workspace(create(summary, wire.CreateWorkspaceToken, answer))
 
 
 def _revoke(summary: str, answer: type) -> Op:
-    return _op(
-        summary,
-        answer,
-        IDEMPOTENT_REVOKE,
-        body=wire.Revoke,
-        headers=(IDEMPOTENCY_KEY,),
-        optional_body=True,
-        notes=REVOKE_NOTE + _NOT_YOURS,
-    )
+    return _workspace(revoke(summary, wire.Revoke, answer, REVOKE_NOTE + _NOT_YOURS))
 
 
 async def _caller(svc: Deps, request: Request) -> tuple[Credential, UUID]:
@@ -234,10 +214,10 @@ def routes(svc: Deps | None) -> list[BaseRoute]:
          revoke_provisioner_token),
     )  # fmt: skip
     found: list[BaseRoute] = []
-    for family, create, listing, revoke in tokens:
+    for family, creates, lists, revokes in tokens:
         found += [
-            Route(f"{base}/{family}", bound(create, svc), methods=["POST"]),
-            Route(f"{base}/{family}", bound(listing, svc), methods=["GET"]),
-            Route(f"{base}/{family}/{{id}}/revoke", bound(revoke, svc), methods=["POST"]),
+            Route(f"{base}/{family}", bound(creates, svc), methods=["POST"]),
+            Route(f"{base}/{family}", bound(lists, svc), methods=["GET"]),
+            Route(f"{base}/{family}/{{id}}/revoke", bound(revokes, svc), methods=["POST"]),
         ]
     return [*found, Route(f"{base}/runners", bound(active_runners, svc), methods=["GET"])]
