@@ -30,7 +30,6 @@ from controlplane.web.endpoints import bound
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.operations import (
     ADM,
-    KNOBS,
     Op,
     create,
     listing,
@@ -42,8 +41,6 @@ from controlplane.web.queries import decode
 from controlplane.web.readback import queue_out
 from controlplane.wire import admin as wire
 from controlplane.wire.queries import PageQuery, TokenPageQuery
-
-_P = KNOBS.provisioners
 
 
 @dataclass(frozen=True, slots=True)
