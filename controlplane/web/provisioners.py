@@ -16,7 +16,7 @@ from controlplane.domain.provisioners import Provisioner
 from controlplane.store import credentials, provisioners
 from controlplane.store.pool import Conn
 from controlplane.web import admin
-from controlplane.web.edge import json_response, path_uuid, read_json
+from controlplane.web.edge import json_response, read_json
 from controlplane.web.endpoints import bound
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.operations import (
@@ -158,18 +158,11 @@ async def revoke_token(svc: Deps, request: Request) -> Response:
     The first revocation cascades (store/provisioners.py); a replay with the same
     Idempotency-Key answers the first answer without calling the store."""
     actor = await svc.auth.admin(request)
-    token_id = path_uuid(request, "id")
-    body = await read_json(
-        request, admin_wire.Revoke, svc.settings.server.max_body_bytes, optional=True
-    )
 
-    async def revoke(conn: Conn) -> wire.ProvisionerTokenOut:
-        return token_out(await provisioners.revoke(conn, token_id, reason=body.reason))
+    async def revoked(conn: Conn, token_id: UUID, reason: str | None) -> wire.ProvisionerTokenOut:
+        return token_out(await provisioners.revoke(conn, token_id, reason=reason))
 
-    answer = await revoke_once(
-        request, svc, actor, "provisioner_token.revoke", token_id, body, revoke
-    )
-    return Response(answer, 200, media_type="application/json")
+    return await revoke_once(request, svc, actor, "provisioner_token.revoke", revoked)
 
 
 def routes(svc: Deps | None) -> list[BaseRoute]:

@@ -28,7 +28,7 @@ from controlplane.errors import NotFound
 from controlplane.store import capabilities, credentials, provisioners, queries
 from controlplane.store.pool import Conn
 from controlplane.web import admin
-from controlplane.web.edge import path_uuid, read_json
+from controlplane.web.edge import read_json
 from controlplane.web.endpoints import bound
 from controlplane.web.fleet import runners_out
 from controlplane.web.idempotency import revoke_once
@@ -115,19 +115,12 @@ async def list_registration_tokens(svc: Deps, request: Request) -> Response:
 @operation(_revoke("Revoke a manual registration token of this workspace", wire.CredentialOut))
 async def revoke_registration_token(svc: Deps, request: Request) -> Response:
     actor, workspace_id = await _caller(svc, request)
-    token_id = path_uuid(request, "id")
-    body = await read_json(request, wire.Revoke, svc.settings.server.max_body_bytes, optional=True)
 
-    async def once(conn: Conn) -> wire.CredentialOut:
-        revoked = await credentials.revoke_manual_token(
-            conn, token_id, workspace_id, reason=body.reason
-        )
-        return admin.credential_out(revoked)
+    async def revoked(conn: Conn, token_id: UUID, reason: str | None) -> wire.CredentialOut:
+        found = await credentials.revoke_manual_token(conn, token_id, workspace_id, reason=reason)
+        return admin.credential_out(found)
 
-    answer = await revoke_once(
-        request, svc, actor, "registration_token.revoke", token_id, body, once
-    )
-    return Response(answer, 200, media_type="application/json")
+    return await revoke_once(request, svc, actor, "registration_token.revoke", revoked)
 
 
 # Provisioner tokens ------------------------------------------------------------------------------
@@ -172,20 +165,17 @@ async def revoke_provisioner_token(svc: Deps, request: Request) -> Response:
     """As the admin revoke (store/provisioners.py cascades the first one), for this workspace's
     tokens only."""
     actor, workspace_id = await _caller(svc, request)
-    token_id = path_uuid(request, "id")
-    body = await read_json(request, wire.Revoke, svc.settings.server.max_body_bytes, optional=True)
 
-    async def once(conn: Conn) -> provisioner_wire.ProvisionerTokenOut:
+    async def revoked(
+        conn: Conn, token_id: UUID, reason: str | None
+    ) -> provisioner_wire.ProvisionerTokenOut:
         # A token's workspace never changes, so checking it before the revoke's locks is safe.
         found = await provisioners.by_id(conn, token_id)
         if found is None or found.workspace_id != workspace_id:
             raise NotFound("no such provisioner token", id=str(token_id))
-        return token_out(await provisioners.revoke(conn, token_id, reason=body.reason))
+        return token_out(await provisioners.revoke(conn, token_id, reason=reason))
 
-    answer = await revoke_once(
-        request, svc, actor, "provisioner_token.revoke", token_id, body, once
-    )
-    return Response(answer, 200, media_type="application/json")
+    return await revoke_once(request, svc, actor, "provisioner_token.revoke", revoked)
 
 
 # Runners -----------------------------------------------------------------------------------------
