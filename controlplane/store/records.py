@@ -1,5 +1,8 @@
 """Conversions from asyncpg records to domain types, shared by the store modules; and the lookup
-and the insert of a token row, which every family of opaque credential shares."""
+and the insert of a token row, which every family of opaque credential shares.
+
+No statement here takes an explicit lock: `row_by_digest` reads one row by a unique key, and
+`insert_token` inserts one row (in its caller's transaction, if any)."""
 
 from __future__ import annotations
 
