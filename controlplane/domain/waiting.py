@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +86,8 @@ class QueuePlace:
         return self.ahead + 1
 
 
-@dataclass(frozen=True, slots=True)
-class Reason:
-    code: str  # stable, for programs: one of REASON_CODES
-    message: str  # for people
-
-
-REASON_CODES = (
+# Stable, for programs; the wire's list too (wire/jobs.py `WaitingReasonOut`).
+ReasonCode = Literal[
     "queue-expired",
     "workspace-paused",
     "no-taker",
@@ -99,7 +95,13 @@ REASON_CODES = (
     "concurrency-key-full",
     "behind-higher-priority",
     "runners-busy",
-)
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Reason:
+    code: ReasonCode
+    message: str  # for people
 
 
 def waiting_reasons(

@@ -25,7 +25,7 @@ from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import NotFound
 from controlplane.store import pages, provisioners
 from controlplane.store.pool import Conn
-from controlplane.store.records import row_by_digest
+from controlplane.store.records import insert_token, row_by_digest
 
 
 def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
@@ -137,22 +137,8 @@ async def create_api_key(
     role: Role = Role.OWNER,
 ) -> tuple[Credential, str]:
     token = token or tokens.new_opaque(Family(kind).token_kind)
-    row = await conn.fetchrow(
-        f"""
-        INSERT INTO api_keys
-            (kind, name, workspace_id, token_sha256, display_prefix, expires_at, role)
-        VALUES ($1, $2, $3, $4, $5, now() + $6::interval, $7)
-        RETURNING {_KEY_COLUMNS}
-        """,  # noqa: S608 -- interpolates constants only: _KEY_COLUMNS
-        kind,
-        name,
-        workspace_id,
-        token.sha256,
-        token.display_prefix,
-        ttl,
-        role.value,
-    )
-    assert row is not None
+    fields = {"kind": kind, "name": name, "workspace_id": workspace_id, "role": role.value}
+    row = await insert_token(conn, "api_keys", fields, token, ttl, _KEY_COLUMNS)
     return _credential(row), token.raw
 
 
@@ -218,20 +204,8 @@ async def create_manual_token(
     token: tokens.Opaque | None = None,
 ) -> tuple[Credential, str]:
     token = token or tokens.new_opaque(tokens.Kind.MANUAL_REGISTRATION)
-    row = await conn.fetchrow(
-        f"""
-        INSERT INTO manual_registration_tokens
-            (workspace_id, name, token_sha256, display_prefix, expires_at)
-        VALUES ($1, $2, $3, $4, now() + $5::interval)
-        RETURNING {_COLUMNS}
-        """,  # noqa: S608 -- interpolates constants only: _COLUMNS
-        workspace_id,
-        name,
-        token.sha256,
-        token.display_prefix,
-        ttl,
-    )
-    assert row is not None
+    fields = {"workspace_id": workspace_id, "name": name}
+    row = await insert_token(conn, "manual_registration_tokens", fields, token, ttl, _COLUMNS)
     return _credential(row, "manual-registration"), token.raw
 
 

@@ -57,40 +57,30 @@ async def state(conn: Conn, job_execution_id: UUID) -> ExecutionState | None:
         job_execution_id,
     )
     assert row is not None
-    lost = tuple(LostAttempt(*attempt) for attempt in row["lost"])
-    if row["outcome"] is not None:
-        return ExecutionState(
-            job_execution_id,
-            "ended",
-            row["ended_ws"] or row["running_ws"],
-            outcome=row["outcome"],
-            ended_by=row["ended_by"],
-            runner_session_id=row["runner_session_id"],
-            cancel_requested=bool(row["cancel_requested"]),
-            exit_code=row["exit_code"],
-            output_tail=row["output_tail"],
-            lost_attempts=lost,
-        )
-    if row["running_ws"] is not None:
-        return ExecutionState(
-            job_execution_id,
-            "running",
-            row["running_ws"],
-            runner_session_id=row["runner_session_id"],
-            cancel_requested=bool(row["cancel_requested"]),
-            attempt=row["attempt"],
-            lost_attempts=lost,
-        )
-    if row["pending_ws"] is not None:
-        return ExecutionState(
-            job_execution_id,
-            "pending",
-            row["pending_ws"],
-            required_labels=tuple(row["required_labels"]),
-            attempt=row["attempt"],
-            lost_attempts=lost,
-        )
-    return None
+    if row["outcome"] is not None:  # ended; a lease may still be draining after a cancel
+        where, workspace_id = "ended", row["ended_ws"] or row["running_ws"]
+    elif row["running_ws"] is not None:
+        where, workspace_id = "running", row["running_ws"]
+    elif row["pending_ws"] is not None:
+        where, workspace_id = "pending", row["pending_ws"]
+    else:
+        return None
+    # The columns of the tables it is not in are null (a pending execution has no lease, so no
+    # runner and no cancel; a running one no outcome), so one answer serves the three.
+    return ExecutionState(
+        job_execution_id,
+        where,
+        workspace_id,
+        outcome=row["outcome"],
+        ended_by=row["ended_by"],
+        runner_session_id=row["runner_session_id"],
+        cancel_requested=bool(row["cancel_requested"]),
+        exit_code=row["exit_code"],
+        output_tail=row["output_tail"],
+        required_labels=tuple(row["required_labels"]) if where == "pending" else (),
+        attempt=None if where == "ended" else row["attempt"],
+        lost_attempts=tuple(LostAttempt(*attempt) for attempt in row["lost"]),
+    )
 
 
 async def cancel_requested(conn: Conn, job_execution_id: UUID, runner_session_id: UUID) -> bool:

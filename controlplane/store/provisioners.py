@@ -31,12 +31,13 @@ from uuid import UUID
 import asyncpg
 
 from controlplane.domain import tokens
+from controlplane.domain.binding import Scope
 from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import NotFound
 from controlplane.store import pages
 from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
-from controlplane.store.records import row_by_digest
+from controlplane.store.records import insert_token, row_by_digest
 from controlplane.store.reservations import ACTIVE_SQL, lock_workspace
 from controlplane.store.runner_release import lock_linked_runners, release_terminal
 
@@ -67,21 +68,9 @@ async def create(
 ) -> tuple[Provisioner, str]:
     """A workspace token when `workspace_id` is given, an installation token otherwise."""
     token = token or tokens.new_opaque(tokens.Kind.PROVISIONER)
-    row = await conn.fetchrow(
-        f"""
-        INSERT INTO provisioner_tokens
-            (scope, workspace_id, name, token_sha256, display_prefix, expires_at)
-        VALUES (CASE WHEN $1::uuid IS NULL THEN 'installation' ELSE 'workspace' END,
-                $1, $2, $3, $4, now() + $5::interval)
-        RETURNING {_COLUMNS}
-        """,  # noqa: S608 -- interpolates constants only: _COLUMNS
-        workspace_id,
-        name,
-        token.sha256,
-        token.display_prefix,
-        ttl,
-    )
-    assert row is not None
+    scope = Scope.INSTALLATION if workspace_id is None else Scope.WORKSPACE
+    fields = {"scope": scope.value, "workspace_id": workspace_id, "name": name}
+    row = await insert_token(conn, "provisioner_tokens", fields, token, ttl, _COLUMNS)
     return _provisioner(row), token.raw
 
 

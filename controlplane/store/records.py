@@ -1,7 +1,13 @@
-"""Conversions from asyncpg records to domain types, shared by the store modules."""
+"""Conversions from asyncpg records to domain types, shared by the store modules; and the lookup
+and the insert of a token row, which every family of opaque credential shares.
+
+No statement here takes an explicit lock: `row_by_digest` reads one row by a unique key, and
+`insert_token` inserts one row (in its caller's transaction, if any)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -69,4 +75,31 @@ async def row_by_digest(
     row = await conn.fetchrow(query, sha256, *args)
     if row is None or not tokens.same_digest(row["token_sha256"], sha256):
         return None
+    return row
+
+
+async def insert_token(
+    conn: Conn,
+    table: str,
+    fields: Mapping[str, object],
+    token: tokens.Opaque,
+    ttl: timedelta | None,
+    returning: str,
+) -> asyncpg.Record:
+    """Insert the row of a newly issued opaque token into `table`: its `fields` (column names, the
+    caller's constants, to their values), the token's digest and display prefix (never the raw
+    token), and an expiry `ttl` from now by the database's clock (none without a `ttl`); the row
+    as `returning` reads it. Every family of opaque credential is issued through here."""
+    values = [*fields.values(), token.sha256, token.display_prefix, ttl]
+    columns = ", ".join([*fields, "token_sha256", "display_prefix", "expires_at"])
+    places = ", ".join(f"${n}" for n in range(1, len(values)))
+    row = await conn.fetchrow(
+        f"""
+        INSERT INTO {table} ({columns})
+        VALUES ({places}, now() + ${len(values)}::interval)
+        RETURNING {returning}
+        """,  # noqa: S608 -- interpolates constants only: table, columns, places, returning
+        *values,
+    )
+    assert row is not None
     return row

@@ -4,7 +4,6 @@ provisioned fleet are web/fleet.py's; a workspace's own routes are web/workspace
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
@@ -23,17 +22,15 @@ from controlplane.store.pool import Conn
 from controlplane.web import auth
 from controlplane.web.edge import (
     json_response,
-    path_uuid,
     read_json,
 )
 from controlplane.web.endpoints import bound
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.operations import (
     ADM,
-    KNOBS,
-    PAGE_NOTE,
     Op,
     create,
+    listing,
     operation,
     revoke,
 )
@@ -42,8 +39,6 @@ from controlplane.web.queries import decode
 from controlplane.web.readback import queue_out
 from controlplane.wire import admin as wire
 from controlplane.wire.queries import PageQuery, TokenPageQuery
-
-_P = KNOBS.provisioners
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,17 +93,7 @@ def credential_page(found: list[Credential], page: Page) -> Response:
     )
 
 
-@operation(
-    Op(
-        "List API keys, newest first, a page at a time",
-        ADM,
-        None,
-        wire.CredentialList,
-        "invalid-cursor",
-        PageQuery,
-        notes=PAGE_NOTE,
-    )
-)
+@operation(listing("List API keys, newest first, a page at a time", wire.CredentialList, PageQuery))
 async def list_api_keys(svc: Deps, request: Request) -> Response:
     await svc.auth.admin(request)
     query = decode(request, PageQuery, svc.settings)
@@ -118,31 +103,14 @@ async def list_api_keys(svc: Deps, request: Request) -> Response:
     return credential_page(found, page)
 
 
-async def _revoke(
-    svc: Deps,
-    request: Request,
-    command: str,
-    revoke: Callable[[Conn, UUID, str | None], Awaitable[Credential]],
-) -> Response:
-    actor = await svc.auth.admin(request)
-    target_id = path_uuid(request, "id")
-    body = await read_json(request, wire.Revoke, svc.settings.server.max_body_bytes, optional=True)
-
-    async def once(conn: Conn) -> wire.CredentialOut:
-        return credential_out(await revoke(conn, target_id, body.reason))
-
-    answer = await revoke_once(request, svc, actor, command, target_id, body, once)
-    return Response(answer, 200, media_type="application/json")
-
-
 @operation(revoke("Revoke an API key (idempotent)", wire.Revoke, wire.CredentialOut))
 async def revoke_api_key(svc: Deps, request: Request) -> Response:
-    return await _revoke(
-        svc,
-        request,
-        "api_key.revoke",
-        lambda conn, key_id, reason: credentials.revoke_api_key(conn, key_id, reason=reason),
-    )
+    actor = await svc.auth.admin(request)
+
+    async def revoked(conn: Conn, key_id: UUID, reason: str | None) -> wire.CredentialOut:
+        return credential_out(await credentials.revoke_api_key(conn, key_id, reason=reason))
+
+    return await revoke_once(request, svc, actor, "api_key.revoke", revoked)
 
 
 @operation(
@@ -155,6 +123,15 @@ async def create_registration_token(svc: Deps, request: Request) -> Response:
     body = await read_json(
         request, wire.CreateRegistrationToken, svc.settings.server.max_body_bytes
     )
+    return await issue_registration_token(svc, request, actor, body)
+
+
+async def issue_registration_token(
+    svc: Deps, request: Request, actor: Credential, body: wire.CreateRegistrationToken
+) -> Response:
+    """Issue the manual registration token `body` asks for, once per Idempotency-Key, and answer
+    it (201): this admin route's answer, and a workspace's own with its workspace filled in, so
+    that both routes remember one request alike."""
     new = NewCredential(
         Family.REGISTRATION, body.name, body.workspace_id, lifetime(body.ttl_seconds)
     )
@@ -166,14 +143,10 @@ async def create_registration_token(svc: Deps, request: Request) -> Response:
 
 
 @operation(
-    Op(
+    listing(
         "List manual registration tokens, newest first, a page at a time",
-        ADM,
-        None,
         wire.CredentialList,
-        "invalid-cursor",
         TokenPageQuery,
-        notes=PAGE_NOTE,
     )
 )
 async def list_registration_tokens(svc: Deps, request: Request) -> Response:
@@ -192,14 +165,12 @@ async def list_registration_tokens(svc: Deps, request: Request) -> Response:
     revoke("Revoke a manual registration token (idempotent)", wire.Revoke, wire.CredentialOut)
 )
 async def revoke_registration_token(svc: Deps, request: Request) -> Response:
-    return await _revoke(
-        svc,
-        request,
-        "registration_token.revoke",
-        lambda conn, token_id, reason: credentials.revoke_manual_token(
-            conn, token_id, reason=reason
-        ),
-    )
+    actor = await svc.auth.admin(request)
+
+    async def revoked(conn: Conn, token_id: UUID, reason: str | None) -> wire.CredentialOut:
+        return credential_out(await credentials.revoke_manual_token(conn, token_id, reason=reason))
+
+    return await revoke_once(request, svc, actor, "registration_token.revoke", revoked)
 
 
 @operation(Op("Queue depth, per workspace", ADM, None, wire.QueueOut))

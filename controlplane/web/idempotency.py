@@ -26,15 +26,18 @@ from uuid import UUID
 import asyncpg
 import msgspec
 from starlette.requests import Request
+from starlette.responses import Response
 
 from controlplane.domain import tokens
 from controlplane.domain.credential_rules import NewCredential
 from controlplane.domain.credentials import Credential
 from controlplane.errors import Conflict, InvalidInput
+from controlplane.settings import Settings
 from controlplane.store import admin_commands
 from controlplane.store.admin_commands import Remembered
 from controlplane.store.credentials import KeyRing
 from controlplane.store.pool import Conn
+from controlplane.web.edge import path_uuid, read_json
 from controlplane.wire.admin import Revoke
 
 
@@ -52,14 +55,17 @@ _encoder = msgspec.json.Encoder()
 
 
 class Deps(Protocol):
-    """What a create or revoke made once needs: the database, and the signing key a replayed
-    create derives its token with."""
+    """What a create or revoke made once needs: the database, the signing key a replayed create
+    derives its token with, and the settings."""
 
     @property
     def pool(self) -> asyncpg.Pool: ...
 
     @property
     def keys(self) -> KeyRing: ...
+
+    @property
+    def settings(self) -> Settings: ...  # a revoke's body limit
 
 
 def _sha256(text: str | bytes) -> str:
@@ -124,16 +130,18 @@ async def revoke_once(
     svc: Deps,
     actor: Credential,
     command: str,
-    target_id: UUID,
-    body: Revoke,
-    revoke: Callable[[Conn], Awaitable[msgspec.Struct]],
-) -> bytes:
-    """The JSON answer of a revoke: `revoke`'s, or with a known Idempotency-Key the one
-    remembered. Logged either way, with the reason as text (never a token: logs mask any)."""
+    revoke: Callable[[Conn, UUID, str | None], Awaitable[msgspec.Struct]],
+) -> Response:
+    """A revoke route's answer once `actor` passed its check: the target is the path's `id`, the
+    body an optional `Revoke` (its reason), and the answer `revoke`'s, or with a known
+    Idempotency-Key the one remembered. Logged either way, with the reason as text (never a
+    token: logs mask any)."""
+    target_id = path_uuid(request, "id")
+    body = await read_json(request, Revoke, svc.settings.server.max_body_bytes, optional=True)
     key = idempotency_key(request)
     async with svc.pool.acquire() as conn:
         if key is None:
-            answer, replayed = _encoder.encode(await revoke(conn)), False
+            answer, replayed = _encoder.encode(await revoke(conn, target_id, body.reason)), False
         else:
             key_sha256 = _sha256(key)
             request_sha256 = _sha256(f"{command}:{target_id}:".encode() + msgspec.json.encode(body))
@@ -142,7 +150,8 @@ async def revoke_once(
             async with conn.transaction():
                 found = await admin_commands.lock_and_find(conn, actor.id, key_sha256)
                 if found is None:
-                    answer, replayed = _encoder.encode(await revoke(conn)), False
+                    revoked = await revoke(conn, target_id, body.reason)
+                    answer, replayed = _encoder.encode(revoked), False
                     done = Remembered(command, request_sha256, target_id, answer=answer.decode())
                     await admin_commands.remember(conn, actor.id, key_sha256, done)
                 elif (found.command, found.request_sha256) != (command, request_sha256) or (
@@ -163,4 +172,4 @@ async def revoke_once(
     if body.reason is not None:
         extra["reason"] = body.reason
     log.info("admin.revoked", extra=extra)
-    return answer
+    return Response(answer, 200, media_type="application/json")

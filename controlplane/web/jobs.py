@@ -75,7 +75,7 @@ def waiting_out(
         paused_runners=takers.paused_runners,
         position=None if place is None else place.position,
         reasons=[
-            wire.WaitingReasonOut(code=reason.code, message=reason.message)  # type: ignore[arg-type]
+            wire.WaitingReasonOut(code=reason.code, message=reason.message)
             for reason in waiting_reasons(waiting, takers, place)
         ],
     )

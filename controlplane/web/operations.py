@@ -171,6 +171,11 @@ def create(summary: str, body: type, answer: type) -> Op:
     )
 
 
+def listing(summary: str, answer: type, query: type[msgspec.Struct], notes: str = PAGE_NOTE) -> Op:
+    """An admin list, newest first a page at a time: admin key, a query with a cursor."""
+    return Op(summary, ADM, None, answer, "invalid-cursor", query, notes=notes)
+
+
 def revoke(summary: str, body: type, answer: type, notes: str = REVOKE_NOTE) -> Op:
     """An admin revoke: admin key, optional body, replayed with the same Idempotency-Key."""
     return Op(

@@ -11,20 +11,21 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
+from controlplane.domain.credentials import Credential
 from controlplane.domain.provisioners import Provisioner
 from controlplane.store import credentials, provisioners
 from controlplane.store.pool import Conn
 from controlplane.web import admin
-from controlplane.web.edge import json_response, path_uuid, read_json
+from controlplane.web.edge import json_response, read_json
 from controlplane.web.endpoints import bound
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.operations import (
-    ADM,
     PAGE_NOTE,
     PT,
     REVOKE_NOTE,
     Op,
     create,
+    listing,
     operation,
     revoke,
 )
@@ -88,6 +89,15 @@ async def me(svc: Deps, request: Request) -> Response:
 async def create_token(svc: Deps, request: Request) -> Response:
     actor = await svc.auth.admin(request)
     body = await read_json(request, wire.CreateProvisionerToken, svc.settings.server.max_body_bytes)
+    return await issue_token(svc, request, actor, body)
+
+
+async def issue_token(
+    svc: Deps, request: Request, actor: Credential, body: wire.CreateProvisionerToken
+) -> Response:
+    """Issue the provisioner token `body` asks for, once per Idempotency-Key, and answer it
+    (201): this admin route's answer, and a workspace's own with its workspace filled in, so
+    that both routes remember one request alike."""
     new = NewCredential(
         Family.PROVISIONER, body.name, body.workspace_id, lifetime(body.ttl_seconds)
     )
@@ -101,14 +111,11 @@ async def create_token(svc: Deps, request: Request) -> Response:
 
 
 @operation(
-    Op(
+    listing(
         "List provisioner tokens, newest first, a page at a time",
-        ADM,
-        None,
         wire.ProvisionerTokenList,
-        "invalid-cursor",
         ProvisionerTokenPageQuery,
-        notes=PAGE_NOTE + " `active` pages the same way.",
+        PAGE_NOTE + " `active` pages the same way.",
     )
 )
 async def list_tokens(svc: Deps, request: Request) -> Response:
@@ -151,18 +158,11 @@ async def revoke_token(svc: Deps, request: Request) -> Response:
     The first revocation cascades (store/provisioners.py); a replay with the same
     Idempotency-Key answers the first answer without calling the store."""
     actor = await svc.auth.admin(request)
-    token_id = path_uuid(request, "id")
-    body = await read_json(
-        request, admin_wire.Revoke, svc.settings.server.max_body_bytes, optional=True
-    )
 
-    async def revoke(conn: Conn) -> wire.ProvisionerTokenOut:
-        return token_out(await provisioners.revoke(conn, token_id, reason=body.reason))
+    async def revoked(conn: Conn, token_id: UUID, reason: str | None) -> wire.ProvisionerTokenOut:
+        return token_out(await provisioners.revoke(conn, token_id, reason=reason))
 
-    answer = await revoke_once(
-        request, svc, actor, "provisioner_token.revoke", token_id, body, revoke
-    )
-    return Response(answer, 200, media_type="application/json")
+    return await revoke_once(request, svc, actor, "provisioner_token.revoke", revoked)
 
 
 def routes(svc: Deps | None) -> list[BaseRoute]:

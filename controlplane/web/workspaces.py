@@ -14,6 +14,7 @@ create of the same workspace, so an Idempotency-Key replays alike through either
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -22,30 +23,27 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from controlplane.domain.credential_rules import Family, NewCredential, lifetime
 from controlplane.domain.credentials import Credential
 from controlplane.errors import NotFound
 from controlplane.store import capabilities, credentials, provisioners, queries
 from controlplane.store.pool import Conn
 from controlplane.web import admin
-from controlplane.web.edge import json_response, path_uuid, read_json
+from controlplane.web.edge import read_json
 from controlplane.web.endpoints import bound
 from controlplane.web.fleet import runners_out
-from controlplane.web.idempotency import create_once, revoke_once
+from controlplane.web.idempotency import revoke_once
 from controlplane.web.operations import (
     ADM,
-    IDEMPOTENCY_KEY,
-    IDEMPOTENT,
-    IDEMPOTENT_NOTE,
-    IDEMPOTENT_REVOKE,
     PAGE_NOTE,
     REVOKE_NOTE,
     WAK,
     Op,
+    create,
     operation,
+    revoke,
 )
 from controlplane.web.paging import page_of
-from controlplane.web.provisioners import token_out, token_page
+from controlplane.web.provisioners import issue_token, token_out, token_page
 from controlplane.web.queries import decode
 from controlplane.wire import admin as wire
 from controlplane.wire import provisioners as provisioner_wire
@@ -61,40 +59,21 @@ _SCOPE = "forbidden admin-key-read-only"  # another workspace's key; an observer
 _NOT_YOURS = " A token of another workspace (or of installation scope) is 404, as an unknown id is."
 
 
-def _op(summary: str, answer: type, errors: str = "", **more: Any) -> Op:
+def _workspace(op: Op) -> Op:
     """A workspace route: its workspace admin key, or an installation admin key."""
-    return Op(
-        summary,
-        WAK,
-        answer=answer,
-        errors=f"{_SCOPE} {errors}".strip(),
-        alternative_auth=(ADM,),
-        **more,
-    )
+    return replace(op, auth=WAK, alternative_auth=(ADM,), errors=f"{_SCOPE} {op.errors}".strip())
+
+
+def _op(summary: str, answer: type, errors: str = "", **more: Any) -> Op:
+    return _workspace(Op(summary, answer=answer, errors=errors, **more))
 
 
 def _create(summary: str, answer: type) -> Op:
-    return _op(
-        summary,
-        answer,
-        IDEMPOTENT,
-        body=wire.CreateWorkspaceToken,
-        headers=(IDEMPOTENCY_KEY,),
-        ok=201,
-        notes=IDEMPOTENT_NOTE,
-    )
+    return _workspace(create(summary, wire.CreateWorkspaceToken, answer))
 
 
 def _revoke(summary: str, answer: type) -> Op:
-    return _op(
-        summary,
-        answer,
-        IDEMPOTENT_REVOKE,
-        body=wire.Revoke,
-        headers=(IDEMPOTENCY_KEY,),
-        optional_body=True,
-        notes=REVOKE_NOTE + _NOT_YOURS,
-    )
+    return _workspace(revoke(summary, wire.Revoke, answer, REVOKE_NOTE + _NOT_YOURS))
 
 
 async def _caller(svc: Deps, request: Request) -> tuple[Credential, UUID]:
@@ -109,16 +88,8 @@ async def _caller(svc: Deps, request: Request) -> tuple[Credential, UUID]:
 async def create_registration_token(svc: Deps, request: Request) -> Response:
     actor, workspace_id = await _caller(svc, request)
     body = await read_json(request, wire.CreateWorkspaceToken, svc.settings.server.max_body_bytes)
-    new = NewCredential(Family.REGISTRATION, body.name, workspace_id, lifetime(body.ttl_seconds))
-    # The admin route's body, so that both routes remember one request alike.
     same = wire.CreateRegistrationToken(workspace_id, body.name, body.ttl_seconds)
-    created, raw = await create_once(
-        request, svc, actor, "registration_token.create", same, new, credentials.issue_key,
-        credentials.manual_token_by_id,
-    )  # fmt: skip
-    return json_response(
-        wire.CreatedCredential(credential=admin.credential_out(created), token=raw), 201
-    )
+    return await admin.issue_registration_token(svc, request, actor, same)
 
 
 @operation(
@@ -144,19 +115,12 @@ async def list_registration_tokens(svc: Deps, request: Request) -> Response:
 @operation(_revoke("Revoke a manual registration token of this workspace", wire.CredentialOut))
 async def revoke_registration_token(svc: Deps, request: Request) -> Response:
     actor, workspace_id = await _caller(svc, request)
-    token_id = path_uuid(request, "id")
-    body = await read_json(request, wire.Revoke, svc.settings.server.max_body_bytes, optional=True)
 
-    async def once(conn: Conn) -> wire.CredentialOut:
-        revoked = await credentials.revoke_manual_token(
-            conn, token_id, workspace_id, reason=body.reason
-        )
-        return admin.credential_out(revoked)
+    async def revoked(conn: Conn, token_id: UUID, reason: str | None) -> wire.CredentialOut:
+        found = await credentials.revoke_manual_token(conn, token_id, workspace_id, reason=reason)
+        return admin.credential_out(found)
 
-    answer = await revoke_once(
-        request, svc, actor, "registration_token.revoke", token_id, body, once
-    )
-    return Response(answer, 200, media_type="application/json")
+    return await revoke_once(request, svc, actor, "registration_token.revoke", revoked)
 
 
 # Provisioner tokens ------------------------------------------------------------------------------
@@ -171,15 +135,8 @@ async def revoke_registration_token(svc: Deps, request: Request) -> Response:
 async def create_provisioner_token(svc: Deps, request: Request) -> Response:
     actor, workspace_id = await _caller(svc, request)
     body = await read_json(request, wire.CreateWorkspaceToken, svc.settings.server.max_body_bytes)
-    new = NewCredential(Family.PROVISIONER, body.name, workspace_id, lifetime(body.ttl_seconds))
     same = provisioner_wire.CreateProvisionerToken(body.name, workspace_id, body.ttl_seconds)
-    created, raw = await create_once(
-        request, svc, actor, "provisioner_token.create", same, new,
-        credentials.issue_provisioner, provisioners.by_id,
-    )  # fmt: skip
-    return json_response(
-        provisioner_wire.CreatedProvisionerToken(provisioner=token_out(created), token=raw), 201
-    )
+    return await issue_token(svc, request, actor, same)
 
 
 @operation(
@@ -208,20 +165,17 @@ async def revoke_provisioner_token(svc: Deps, request: Request) -> Response:
     """As the admin revoke (store/provisioners.py cascades the first one), for this workspace's
     tokens only."""
     actor, workspace_id = await _caller(svc, request)
-    token_id = path_uuid(request, "id")
-    body = await read_json(request, wire.Revoke, svc.settings.server.max_body_bytes, optional=True)
 
-    async def once(conn: Conn) -> provisioner_wire.ProvisionerTokenOut:
+    async def revoked(
+        conn: Conn, token_id: UUID, reason: str | None
+    ) -> provisioner_wire.ProvisionerTokenOut:
         # A token's workspace never changes, so checking it before the revoke's locks is safe.
         found = await provisioners.by_id(conn, token_id)
         if found is None or found.workspace_id != workspace_id:
             raise NotFound("no such provisioner token", id=str(token_id))
-        return token_out(await provisioners.revoke(conn, token_id, reason=body.reason))
+        return token_out(await provisioners.revoke(conn, token_id, reason=reason))
 
-    answer = await revoke_once(
-        request, svc, actor, "provisioner_token.revoke", token_id, body, once
-    )
-    return Response(answer, 200, media_type="application/json")
+    return await revoke_once(request, svc, actor, "provisioner_token.revoke", revoked)
 
 
 # Runners -----------------------------------------------------------------------------------------
@@ -250,10 +204,10 @@ def routes(svc: Deps | None) -> list[BaseRoute]:
          revoke_provisioner_token),
     )  # fmt: skip
     found: list[BaseRoute] = []
-    for family, create, listing, revoke in tokens:
+    for family, creates, lists, revokes in tokens:
         found += [
-            Route(f"{base}/{family}", bound(create, svc), methods=["POST"]),
-            Route(f"{base}/{family}", bound(listing, svc), methods=["GET"]),
-            Route(f"{base}/{family}/{{id}}/revoke", bound(revoke, svc), methods=["POST"]),
+            Route(f"{base}/{family}", bound(creates, svc), methods=["POST"]),
+            Route(f"{base}/{family}", bound(lists, svc), methods=["GET"]),
+            Route(f"{base}/{family}/{{id}}/revoke", bound(revokes, svc), methods=["POST"]),
         ]
     return [*found, Route(f"{base}/runners", bound(active_runners, svc), methods=["GET"])]

@@ -9,6 +9,7 @@ from uuid import UUID
 
 import msgspec
 
+from controlplane.domain.waiting import ReasonCode
 from controlplane.wire.common import Strict
 
 Status = Literal["pending", "running", "ended"]
@@ -36,15 +37,7 @@ class JobList(Strict):
 
 
 class WaitingReasonOut(Strict):
-    code: Literal[
-        "queue-expired",
-        "workspace-paused",
-        "no-taker",
-        "runners-paused",
-        "concurrency-key-full",
-        "behind-higher-priority",
-        "runners-busy",
-    ]
+    code: ReasonCode
     message: str
 
 

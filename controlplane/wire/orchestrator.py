@@ -18,6 +18,9 @@ from controlplane.wire.common import EffectiveCapabilities, Labels, Reason, Stri
 from controlplane.wire.jobs import WaitingOut
 
 AwareDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
+# A whole number of seconds, 1 or more (a float that is a multiple of 1: see `whole`); each field
+# adds its description, and its route checks the setting that bounds it.
+WholeSeconds = Annotated[float, msgspec.Meta(ge=1, le=2**31 - 1, multiple_of=1)]
 ConcurrencyKey = Annotated[
     str,
     msgspec.Meta(
@@ -79,26 +82,20 @@ class EnqueueJob(Strict):
     # numbers, also written as 5.0, as JSON Schema's `integer` admits.
     timeout_seconds: (
         Annotated[
-            float,
+            WholeSeconds,
             msgspec.Meta(
-                ge=1,
-                le=2**31 - 1,
-                multiple_of=1,
                 description="Run timeout, whole seconds: 1..queue.max_timeout_seconds; absent: "
-                "queue.default_timeout_seconds.",
+                "queue.default_timeout_seconds."
             ),
         ]
         | None
     ) = None
     queue_timeout_seconds: (
         Annotated[
-            float,
+            WholeSeconds,
             msgspec.Meta(
-                ge=1,
-                le=2**31 - 1,
-                multiple_of=1,
                 description="Queue timeout, whole seconds: 1..queue.max_queue_timeout_seconds; "
-                "absent: queue.default_queue_timeout_seconds.",
+                "absent: queue.default_queue_timeout_seconds."
             ),
         ]
         | None

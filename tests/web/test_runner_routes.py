@@ -717,7 +717,7 @@ async def test_cancellation_reaches_a_held_heartbeat_before_its_wait_elapses(
             group.start_soon(runner)
             # Held: registered for cancels, and past its database read (it stamped the lease).
             while (
-                board.held == 0
+                board.parked == 0
                 or (await lease_row(db, job.execution))["first_heartbeat_at"] is None
             ):
                 await anyio.sleep(0.01)
