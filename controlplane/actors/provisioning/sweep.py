@@ -10,6 +10,15 @@ deadline passing) is caught here: every `provisioners.demand_safety_tick_seconds
 whose figures moved since the previous tick are woken; the others cost nothing. A session seen
 for the first time is woken once (its figures may have moved since its first round).
 
+The moved sessions are woken one after another, spread evenly over the first half of the tick
+(`SPREAD`), not all at once. An actor's own round moves its figures (its grants are live
+reservations), so after a busy tick many actors are due one round each; woken at the same
+instant, those rounds queued together for the replica's pool and the database, and an enqueue's
+round that arrived then waited behind all of them (the demand bench's enqueue -> grant p99 at
+10 and 100 provisioners). And an actor that began a round after the sweep's read returned is not
+woken at all: that round read everything the sweep saw (a busy actor is woken by its enqueues).
+So a change the sweep catches reaches its actor at most one and a half ticks after it is made.
+
 Nothing is read while the replica holds no session. A failed read is logged and retried at the
 next tick: the actors' slow full round (`provisioners.demand_full_round_seconds`) still runs.
 """
@@ -29,6 +38,8 @@ from controlplane.actors.provisioning.board import DemandBoard
 from controlplane.store.demand_sweep import Figures, SweptSession
 
 log = logging.getLogger("controlplane.provisioning")
+
+SPREAD = 0.5  # the share of a tick over which the moved actors are woken
 
 
 class SweepStore(Protocol):
@@ -58,26 +69,40 @@ class DemandSweep:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
+        due = anyio.current_time() + self._tick
         while True:
-            await anyio.sleep(self._tick)
+            await anyio.sleep(max(0.0, due - anyio.current_time()))
+            due = max(due + self._tick, anyio.current_time())
             try:
-                await self.sweep()
+                found = await self.sweep()
             except Exception as error:
                 metrics.demand_sweeps.labels("error").inc()
                 log.warning("provisioning.sweep_failed", extra={"error": repr(error)})
+                continue
+            await self.wake(found, over=self._tick * SPREAD)
 
-    async def sweep(self) -> list[ProvisionerActor]:
-        """One tick: read every session's figures and wake those that moved; the woken."""
+    async def sweep(self) -> list[tuple[ProvisionerActor, int]]:
+        """One tick's read: every session's figures; the actors whose figures moved, each with
+        the count of rounds it had begun when the read returned."""
         actors = self._board.actors()
         if not actors:
             self._seen.clear()
             return []
         sessions = [SweptSession(a.provisioner.id, a.provisioner.workspace_id) for a in actors]
         figures = await self._store.figures(sessions)
-        woken = moved(actors, figures, self._seen)
+        found = [(actor, actor.rounds_begun) for actor in moved(actors, figures, self._seen)]
         self._seen = dict(zip(actors, figures, strict=True))
-        for actor in woken:
-            actor.wake()
         metrics.demand_sweeps.labels("ok").inc()
-        metrics.demand_sweep_woken.inc(len(woken))
+        return found
+
+    async def wake(self, found: Sequence[tuple[ProvisionerActor, int]], *, over: float) -> int:
+        """Wake the actors found, evenly over `over` seconds (the first at once), except those
+        that began a round since the read; how many were woken."""
+        started, woken = anyio.current_time(), 0
+        for index, (actor, begun) in enumerate(found):
+            await anyio.sleep(max(0.0, started + over * index / len(found) - anyio.current_time()))
+            if actor.rounds_begun == begun:
+                actor.wake()
+                woken += 1
+        metrics.demand_sweep_woken.inc(woken)
         return woken
