@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -23,7 +24,7 @@ from controlplane.actors.provisioning import DemandBoard, DemandPush, DemandSwee
 from controlplane.actors.provisioning.sweep import SPREAD
 from controlplane.domain.demand import Reservation
 from controlplane.domain.rounds import WalkEntry, WorkspaceRound
-from controlplane.store.demand_sweep import Figures, SweptSession
+from controlplane.store.demand_sweep import Figures, Read, SweptSession
 from controlplane.store.provisioning import RoundTerms
 from tests.actors.test_provisioning import LIMITS, NOW, FakeStore, provisioner, template
 
@@ -65,15 +66,18 @@ class CountingStore(FakeStore):
 
 
 class FixedFigures:
-    """A sweep store whose figures the test sets; counts its statements."""
+    """A sweep store whose figures the test sets (as one value each); counts its statements."""
 
     def __init__(self) -> None:
-        self.figures_of: dict[UUID, Figures] = {}
+        self.figures_of: dict[UUID, int] = {}
         self.statements = 0
 
-    async def figures(self, sessions: Sequence[SweptSession]) -> list[Figures]:
+    async def figures(self, sessions: Sequence[SweptSession], since: datetime | None) -> Read:
         self.statements += 1
-        return [self.figures_of.get(s.provisioner_id, (0,)) for s in sessions]
+        return Read(
+            NOW,
+            [Figures((self.figures_of.get(s.provisioner_id, 0),), (), (), 0) for s in sessions],
+        )
 
 
 async def _advertised(
@@ -191,7 +195,7 @@ async def test_the_sweep_wakes_only_actors_whose_figures_moved() -> None:
         assert (quiet_store.rounds, busy_store.rounds) == (2, 2)
         # A job claimed on another replica: its workspace's figures move, no notification.
         busy_store.queued[busy_ws] = 1
-        figures.figures_of[busy.provisioner.id] = (1,)
+        figures.figures_of[busy.provisioner.id] = 1
         with anyio.fail_after(SWEEP + 1):
             push = await busy_pushes.receive()
         assert [g.count for g in push.grants] == [1]
@@ -228,8 +232,8 @@ async def _swept_fleet(
 
 
 async def test_the_sweep_spreads_the_rounds_it_wakes_over_half_a_tick() -> None:
-    """After a busy tick every granting actor's figures moved: their rounds must not all start
-    at once (they queued for the pool and the database ahead of an enqueue's round)."""
+    """When many actors' figures moved in one tick, their rounds must not all start at once
+    (they queued for the pool and the database ahead of an enqueue's round)."""
     board, figures = DemandBoard(), FixedFigures()
     sweep = DemandSweep(board, figures, tick_seconds=SWEEP)
     async with anyio.create_task_group() as group:
@@ -237,7 +241,7 @@ async def test_the_sweep_spreads_the_rounds_it_wakes_over_half_a_tick() -> None:
         await sweep.wake(await sweep.sweep(), over=SWEEP * SPREAD)  # first sight: settle
         await anyio.sleep(1)
         for store, actor in fleet:
-            figures.figures_of[actor.provisioner.id] = (1,)  # e.g. its own grant, now live
+            figures.figures_of[actor.provisioner.id] = 1  # e.g. a burst of claims elsewhere
             store.started.clear()
         read_at = anyio.current_time()
         found = await sweep.sweep()
@@ -261,7 +265,7 @@ async def test_the_sweep_does_not_wake_an_actor_that_began_a_round_since_its_rea
         await sweep.wake(await sweep.sweep(), over=0)
         await anyio.sleep(1)
         for store, actor in ((first_store, first), (second_store, second)):
-            figures.figures_of[actor.provisioner.id] = (1,)
+            figures.figures_of[actor.provisioner.id] = 1
             store.started.clear()
         found = await sweep.sweep()
         assert [a for a, _ in found] == board.actors()

@@ -10,14 +10,17 @@ deadline passing) is caught here: every `provisioners.demand_safety_tick_seconds
 whose figures moved since the previous tick are woken; the others cost nothing. A session seen
 for the first time is woken once (its figures may have moved since its first round).
 
-The moved sessions are woken one after another, spread evenly over the first half of the tick
-(`SPREAD`), not all at once. An actor's own round moves its figures (its grants are live
-reservations), so after a busy tick many actors are due one round each; woken at the same
-instant, those rounds queued together for the replica's pool and the database, and an enqueue's
-round that arrived then waited behind all of them (the demand bench's enqueue -> grant p99 at
-10 and 100 provisioners). And an actor that began a round after the sweep's read returned is not
-woken at all: that round read everything the sweep saw (a busy actor is woken by its enqueues).
-So a change the sweep catches reaches its actor at most one and a half ticks after it is made.
+A session's own grants move nothing (store/demand_sweep.py reads the reservations made since
+the previous read apart, and `has_moved` leaves out the session's own): until then every
+granting round cost its actor a second, idle round at the next tick, and after a busy tick all
+those rounds started at the same instant, queued together for the replica's pool and the
+database, and an enqueue's round that arrived then waited behind them (the demand bench's
+enqueue -> grant p99 at 10 and 100 provisioners). What still moves many sessions at once (a
+burst of claims, an advertisement ageing out) wakes them one after another, spread evenly over
+the first half of the tick (`SPREAD`). And an actor that began a round after the sweep's read
+returned is not woken at all: that round read everything the sweep saw (a busy actor is woken by
+its enqueues). So a change the sweep catches reaches its actor at most one and a half ticks
+after it is made.
 
 Nothing is read while the replica holds no session. A failed read is logged and retried at the
 next tick: the actors' slow full round (`provisioners.demand_full_round_seconds`) still runs.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Protocol
 
 import anyio
@@ -35,7 +39,7 @@ import anyio.abc
 from controlplane import metrics
 from controlplane.actors.provisioning.actor import ProvisionerActor
 from controlplane.actors.provisioning.board import DemandBoard
-from controlplane.store.demand_sweep import Figures, SweptSession
+from controlplane.store.demand_sweep import Figures, Read, SweptSession
 
 log = logging.getLogger("controlplane.provisioning")
 
@@ -43,19 +47,22 @@ SPREAD = 0.5  # the share of a tick over which the moved actors are woken
 
 
 class SweepStore(Protocol):
-    async def figures(self, sessions: Sequence[SweptSession]) -> list[Figures]:
-        """Each session's figures, in the order given, read by one statement."""
+    async def figures(self, sessions: Sequence[SweptSession], since: datetime | None) -> Read:
+        """Each session's figures, in the order given, read by one statement; `since` is the
+        previous read's time (store/demand_sweep.py)."""
         ...
 
 
-def moved(
-    actors: Sequence[ProvisionerActor],
-    figures: Sequence[Figures],
-    before: dict[ProvisionerActor, Figures],
-) -> list[ProvisionerActor]:
-    """The actors whose figures differ from the ones read at the previous tick (or that were
-    not there then)."""
-    return [a for a, f in zip(actors, figures, strict=True) if before.get(a) != f]
+def has_moved(now: Figures, before: Figures | None) -> bool:
+    """Whether a session's figures moved since the previous tick's (`before`; None: not there
+    then): its other figures changed, a reservation live then is gone or smaller, or another
+    provisioner made one since. Its own new reservations move nothing (its rounds made them)."""
+    return (
+        before is None
+        or now.fixed != before.fixed
+        or now.reserved_before != before.reserved
+        or now.others_new > 0
+    )
 
 
 class DemandSweep:
@@ -64,6 +71,7 @@ class DemandSweep:
         self._store = store
         self._tick = tick_seconds
         self._seen: dict[ProvisionerActor, Figures] = {}
+        self._since: datetime | None = None  # the previous read's database time
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -87,11 +95,17 @@ class DemandSweep:
         actors = self._board.actors()
         if not actors:
             self._seen.clear()
+            self._since = None
             return []
         sessions = [SweptSession(a.provisioner.id, a.provisioner.workspace_id) for a in actors]
-        figures = await self._store.figures(sessions)
-        found = [(actor, actor.rounds_begun) for actor in moved(actors, figures, self._seen)]
-        self._seen = dict(zip(actors, figures, strict=True))
+        read = await self._store.figures(sessions, self._since)
+        found = [
+            (actor, actor.rounds_begun)
+            for actor, figures in zip(actors, read.figures, strict=True)
+            if has_moved(figures, self._seen.get(actor))
+        ]
+        self._seen = dict(zip(actors, read.figures, strict=True))
+        self._since = read.at
         metrics.demand_sweeps.labels("ok").inc()
         return found
 
