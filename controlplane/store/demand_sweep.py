@@ -20,17 +20,21 @@ An installation session's figures leave pending jobs out (that would be a scan o
 queue every tick): demand reaches it by the enqueue NOTIFY, and a claim elsewhere changes its
 pushed figures at its next round.
 
-A session's own grants are live reservations, so they would move its figures at the next tick
-and wake it for a round with nothing to do (one per granting round, for every busy session).
-The live reservations are therefore read twice over: all of them (`Figures.reserved`, what the
-next tick compares with) and only those created by the previous read's time (`reserved_before`,
-compared with the previous tick's `reserved`: it differs when one that was live then expired,
-was released or used up), beside the count of those another provisioner created since
-(`others_new`, which must be 0). A reservation this provisioner created since the previous read
+A session's own grants are live reservations, and an enqueue adds a pending job: both would
+move its figures at the next tick and wake it for a round with nothing to do (one per enqueue
+and per granting round, for every busy session), though its own round made the one and the
+enqueue's notification already woke it for the other. So the pending jobs and the live
+reservations are counted twice over (`Figures.counted`, what the next tick compares with, and
+`counted_before`, the same over the rows created by the previous read's time, which is compared
+with the previous tick's `counted`: it differs when a row there then is gone or smaller: a claim,
+an expiry, a release, a cancel), beside the count of live reservations another provisioner
+created since (`others_new`, which must be 0). A pending row's creation time is its id's
+(uuidv7, written by the enqueue's INSERT): a put-back or a retry keeps its old id, so it moves
+the figures (and notifies too). A reservation this provisioner created since the previous read
 moves nothing: only its own rounds create them, and those read everything they act on; a claim
-that uses a unit of it before the next read removes a pending job, which the pending count shows
-(below its cap). A reservation committed after the previous read by a transaction that began
-before it counts as created before it, so it moves the figures (a wake too many, not too few).
+that uses a unit of it removes a pending job of before the read, or one the enqueue notified.
+A row committed after the previous read by a transaction that began before it counts as created
+before it, so it moves the figures (a wake too many, not too few).
 
 Locks: none. One read-only statement for all the replica's sessions (a transaction of its
 own, as every statement is); it holds nothing any other transaction waits for.
@@ -51,9 +55,10 @@ from controlplane.store.reservations import ACTIVE_SQL
 class Figures:
     """One session's figures (see the module's docstring)."""
 
-    fixed: tuple[object, ...]  # compared as they are: demand, runners, timeouts, eligibility
-    reserved: tuple[object, ...]  # live reservations: workspace, own, installation-wide
-    reserved_before: tuple[object, ...]  # the same over those created by the previous read
+    fixed: tuple[object, ...]  # compared as they are: keys, runners, timeouts, eligibility
+    # Pending jobs (capped) and live reservations (workspace, own, installation-wide).
+    counted: tuple[object, ...]
+    counted_before: tuple[object, ...]  # the same over rows created by the previous read
     others_new: int  # live reservations another provisioner created since the previous read
 
 
@@ -97,6 +102,14 @@ SELECT s.ord, now() AS read_at,
                AND NOT EXISTS (SELECT 1 FROM paused_workspaces pw
                                 WHERE pw.workspace_id = s.workspace_id)
              LIMIT $4) AS capped) AS pending,
+       (SELECT count(*) FROM (
+            SELECT 1 FROM pending_jobs p
+             WHERE p.workspace_id = s.workspace_id
+               AND (p.expires_at IS NULL OR p.expires_at > now())
+               AND uuid_extract_timestamp(p.id) <= $6
+               AND NOT EXISTS (SELECT 1 FROM paused_workspaces pw
+                                WHERE pw.workspace_id = s.workspace_id)
+             LIMIT $4) AS capped) AS pending_before,
        (SELECT coalesce(sum(k.running), 0) FROM concurrency_keys k
          WHERE k.workspace_id = s.workspace_id) AS keys_running,
        (SELECT row(count(*),
@@ -181,13 +194,13 @@ async def sweep_figures(
     figures = [
         Figures(
             fixed=(
-                r["pending"],
                 r["keys_running"],
                 r["runners"],
                 r["timed_out"],
                 r["installation"],
             ),
-            reserved=(
+            counted=(
+                r["pending"],
                 r["workspace_n"],
                 r["workspace_units"],
                 r["own_n"],
@@ -195,7 +208,8 @@ async def sweep_figures(
                 r["everywhere_n"],
                 r["everywhere_units"],
             ),
-            reserved_before=(
+            counted_before=(
+                r["pending_before"],
                 r["workspace_n_before"],
                 r["workspace_units_before"],
                 r["own_n_before"],

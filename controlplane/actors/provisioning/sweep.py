@@ -10,17 +10,17 @@ deadline passing) is caught here: every `provisioners.demand_safety_tick_seconds
 whose figures moved since the previous tick are woken; the others cost nothing. A session seen
 for the first time is woken once (its figures may have moved since its first round).
 
-A session's own grants move nothing (store/demand_sweep.py reads the reservations made since
-the previous read apart, and `has_moved` leaves out the session's own): until then every
-granting round cost its actor a second, idle round at the next tick, and after a busy tick all
-those rounds started at the same instant, queued together for the replica's pool and the
-database, and an enqueue's round that arrived then waited behind them (the demand bench's
-enqueue -> grant p99 at 10 and 100 provisioners). What still moves many sessions at once (a
-burst of claims, an advertisement ageing out) wakes them one after another, spread evenly over
-the first half of the tick (`SPREAD`). And an actor that began a round after the sweep's read
-returned is not woken at all: that round read everything the sweep saw (a busy actor is woken by
-its enqueues). So a change the sweep catches reaches its actor at most one and a half ticks
-after it is made.
+A session's own grants and new pending jobs move nothing (store/demand_sweep.py counts the
+rows created since the previous read apart; the enqueue's notification and the session's own
+round already saw those): until then every enqueue and every granting round cost the actor a
+second, idle round at the next tick, and after a busy tick all those rounds started at the same
+instant, queued together for the replica's pool and the database, and an enqueue's round that
+arrived then waited behind them (the demand bench's enqueue -> grant p99 at 10 and 100
+provisioners). What still moves many sessions at once (a burst of claims, an advertisement
+ageing out) wakes them one after another, spread evenly over the first half of the tick
+(`SPREAD`). And an actor that began a round after the sweep's read returned is not woken at all:
+that round read everything the sweep saw (a busy actor is woken by its enqueues). So a change
+the sweep catches reaches its actor at most one and a half ticks after it is made.
 
 Nothing is read while the replica holds no session. A failed read is logged and retried at the
 next tick: the actors' slow full round (`provisioners.demand_full_round_seconds`) still runs.
@@ -55,12 +55,13 @@ class SweepStore(Protocol):
 
 def has_moved(now: Figures, before: Figures | None) -> bool:
     """Whether a session's figures moved since the previous tick's (`before`; None: not there
-    then): its other figures changed, a reservation live then is gone or smaller, or another
-    provisioner made one since. Its own new reservations move nothing (its rounds made them)."""
+    then): its other figures changed, a pending job or a reservation there then is gone or
+    smaller, or another provisioner made a reservation since. New pending jobs (notified) and
+    its own new reservations (its rounds made them) move nothing."""
     return (
         before is None
         or now.fixed != before.fixed
-        or now.reserved_before != before.reserved
+        or now.counted_before != before.counted
         or now.others_new > 0
     )
 
