@@ -19,7 +19,7 @@ import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from uuid import UUID
 
@@ -115,12 +115,13 @@ class PoolSweep:
         self._cap = pending_cap
 
     async def figures(
-        self, sessions: Sequence[demand_sweep.SweptSession]
-    ) -> list[demand_sweep.Figures]:
+        self, sessions: Sequence[demand_sweep.SweptSession], since: datetime | None
+    ) -> demand_sweep.Read:
         async with borrow(self._pool) as conn:
             return await demand_sweep.sweep_figures(
                 conn,
                 sessions,
+                since=since,
                 activation_timeout=self._timeout,
                 covering_window=self._window,
                 pending_cap=self._cap,

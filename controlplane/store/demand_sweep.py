@@ -20,6 +20,22 @@ An installation session's figures leave pending jobs out (that would be a scan o
 queue every tick): demand reaches it by the enqueue NOTIFY, and a claim elsewhere changes its
 pushed figures at its next round.
 
+A session's own grants are live reservations, and an enqueue adds a pending job: both would
+move its figures at the next tick and wake it for a round with nothing to do (one per enqueue
+and per granting round, for every busy session), though its own round made the one and the
+enqueue's notification already woke it for the other. So the pending jobs and the live
+reservations are counted twice over (`Figures.counted`, what the next tick compares with, and
+`counted_before`, the same over the rows created by the previous read's time, which is compared
+with the previous tick's `counted`: it differs when a row there then is gone or smaller: a claim,
+an expiry, a release, a cancel), beside the count of live reservations another provisioner
+created since (`others_new`, which must be 0). A pending row's creation time is its id's
+(uuidv7, written by the enqueue's INSERT): a put-back or a retry keeps its old id, so it moves
+the figures (and notifies too). A reservation this provisioner created since the previous read
+moves nothing: only its own rounds create them, and those read everything they act on; a claim
+that uses a unit of it removes a pending job of before the read, or one the enqueue notified.
+A row committed after the previous read by a transaction that began before it counts as created
+before it, so it moves the figures (a wake too many, not too few).
+
 Locks: none. One read-only statement for all the replica's sessions (a transaction of its
 own, as every statement is); it holds nothing any other transaction waits for.
 """
@@ -28,13 +44,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from uuid import UUID
 
 from controlplane.store.pool import Conn
 from controlplane.store.reservations import ACTIVE_SQL
 
-Figures = tuple[object, ...]
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """One session's figures (see the module's docstring)."""
+
+    fixed: tuple[object, ...]  # compared as they are: keys, runners, timeouts, eligibility
+    # Pending jobs (capped) and live reservations (workspace, own, installation-wide).
+    counted: tuple[object, ...]
+    counted_before: tuple[object, ...]  # the same over rows created by the previous read
+    others_new: int  # live reservations another provisioner created since the previous read
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """One sweep statement's result: its database time (the next read's `since`) and each
+    session's figures."""
+
+    at: datetime | None
+    figures: list[Figures]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +86,15 @@ WITH s AS (
            WITH ORDINALITY AS s(provisioner_id, workspace_id, ord)
 ), everywhere AS (
     SELECT count(*) AS n, coalesce(sum(count), 0) AS units,
+           count(*) FILTER (WHERE created_at <= $6) AS n_before,
+           coalesce(sum(count) FILTER (WHERE created_at <= $6), 0) AS units_before,
+           count(*) FILTER (WHERE created_at > $6) AS n_new,
            (SELECT count(*) FROM provisioner_templates pt
              WHERE pt.workspace_id IS NOT NULL AND pt.advertised_at > now() - $5::interval)
                AS covering
       FROM reservations WHERE expires_at > now()
 )
-SELECT s.ord,
+SELECT s.ord, now() AS read_at,
        (SELECT count(*) FROM (
             SELECT 1 FROM pending_jobs p
              WHERE p.workspace_id = s.workspace_id
@@ -65,12 +102,16 @@ SELECT s.ord,
                AND NOT EXISTS (SELECT 1 FROM paused_workspaces pw
                                 WHERE pw.workspace_id = s.workspace_id)
              LIMIT $4) AS capped) AS pending,
+       (SELECT count(*) FROM (
+            SELECT 1 FROM pending_jobs p
+             WHERE p.workspace_id = s.workspace_id
+               AND (p.expires_at IS NULL OR p.expires_at > now())
+               AND uuid_extract_timestamp(p.id) <= $6
+               AND NOT EXISTS (SELECT 1 FROM paused_workspaces pw
+                                WHERE pw.workspace_id = s.workspace_id)
+             LIMIT $4) AS capped) AS pending_before,
        (SELECT coalesce(sum(k.running), 0) FROM concurrency_keys k
          WHERE k.workspace_id = s.workspace_id) AS keys_running,
-       (SELECT row(count(*), coalesce(sum(r.count), 0))::text FROM reservations r
-         WHERE r.workspace_id = s.workspace_id AND r.expires_at > now()) AS workspace_reserved,
-       (SELECT row(count(*), coalesce(sum(r.count), 0))::text FROM reservations r
-         WHERE r.provisioner_id = s.provisioner_id AND r.expires_at > now()) AS own_reserved,
        (SELECT row(count(*),
                    count(*) FILTER (WHERE ri.state = 'running'),
                    count(*) FILTER (WHERE ri.runner_session_id IS NOT NULL),
@@ -90,11 +131,36 @@ SELECT s.ord,
        (SELECT count(*) FILTER (WHERE t.timed_out)
           FROM cp_terminate_candidates(s.workspace_id, s.provisioner_id, $3) AS t) AS timed_out,
        CASE WHEN s.workspace_id IS NULL THEN
-           row(g.n, g.units, g.covering,
-               (SELECT e.updated_at FROM provisioner_eligibility e
-                 WHERE e.provisioner_id = s.provisioner_id))::text
-       END AS installation
+           row(g.covering, (SELECT e.updated_at FROM provisioner_eligibility e
+                             WHERE e.provisioner_id = s.provisioner_id))::text
+       END AS installation,
+       w.n AS workspace_n, w.units AS workspace_units,
+       w.n_before AS workspace_n_before, w.units_before AS workspace_units_before,
+       w.others_new AS workspace_others_new,
+       o.n AS own_n, o.units AS own_units, o.n_before AS own_n_before,
+       o.units_before AS own_units_before,
+       CASE WHEN s.workspace_id IS NULL THEN g.n END AS everywhere_n,
+       CASE WHEN s.workspace_id IS NULL THEN g.units END AS everywhere_units,
+       CASE WHEN s.workspace_id IS NULL THEN g.n_before END AS everywhere_n_before,
+       CASE WHEN s.workspace_id IS NULL THEN g.units_before END AS everywhere_units_before,
+       CASE WHEN s.workspace_id IS NULL THEN g.n_new - o.n_new ELSE 0 END
+           AS everywhere_others_new
   FROM s CROSS JOIN everywhere g
+  CROSS JOIN LATERAL (
+       SELECT count(*) AS n, coalesce(sum(r.count), 0) AS units,
+              count(*) FILTER (WHERE r.created_at <= $6) AS n_before,
+              coalesce(sum(r.count) FILTER (WHERE r.created_at <= $6), 0) AS units_before,
+              count(*) FILTER (WHERE r.created_at > $6 AND r.provisioner_id <> s.provisioner_id)
+                  AS others_new
+         FROM reservations r
+        WHERE r.workspace_id = s.workspace_id AND r.expires_at > now()) w
+  CROSS JOIN LATERAL (
+       SELECT count(*) AS n, coalesce(sum(r.count), 0) AS units,
+              count(*) FILTER (WHERE r.created_at <= $6) AS n_before,
+              coalesce(sum(r.count) FILTER (WHERE r.created_at <= $6), 0) AS units_before,
+              count(*) FILTER (WHERE r.created_at > $6) AS n_new
+         FROM reservations r
+        WHERE r.provisioner_id = s.provisioner_id AND r.expires_at > now()) o
  ORDER BY s.ord
 """  # noqa: S608 -- interpolates constants only: ACTIVE_SQL
 
@@ -103,16 +169,19 @@ async def sweep_figures(
     conn: Conn,
     sessions: Sequence[SweptSession],
     *,
+    since: datetime | None,
     activation_timeout: timedelta,
     covering_window: timedelta,
     pending_cap: int,
-) -> list[Figures]:
-    """Each session's figures, in the order given (one statement). Pending jobs are counted up
-    to `pending_cap` (`provisioners.demand_sweep_pending_cap`): past it a change in their number
-    shows only through its other figures, an enqueue's notification or the slow full round.
-    `covering_window` is `provisioners.active_window_seconds` (the installation walk's)."""
+) -> Read:
+    """Each session's figures, in the order given (one statement); `since` is the previous
+    read's `Read.at` (None: no previous read, so nothing counts as created before it). Pending
+    jobs are counted up to `pending_cap` (`provisioners.demand_sweep_pending_cap`): past it a
+    change in their number shows only through its other figures, an enqueue's notification or
+    the slow full round. `covering_window` is `provisioners.active_window_seconds` (the
+    installation walk's)."""
     if not sessions:
-        return []
+        return Read(since, [])
     rows = await conn.fetch(
         _SWEEP,
         [s.provisioner_id for s in sessions],
@@ -120,5 +189,36 @@ async def sweep_figures(
         activation_timeout,
         pending_cap,
         covering_window,
+        since,
     )
-    return [tuple(row.values())[1:] for row in rows]
+    figures = [
+        Figures(
+            fixed=(
+                r["keys_running"],
+                r["runners"],
+                r["timed_out"],
+                r["installation"],
+            ),
+            counted=(
+                r["pending"],
+                r["workspace_n"],
+                r["workspace_units"],
+                r["own_n"],
+                r["own_units"],
+                r["everywhere_n"],
+                r["everywhere_units"],
+            ),
+            counted_before=(
+                r["pending_before"],
+                r["workspace_n_before"],
+                r["workspace_units_before"],
+                r["own_n_before"],
+                r["own_units_before"],
+                r["everywhere_n_before"],
+                r["everywhere_units_before"],
+            ),
+            others_new=r["workspace_others_new"] + r["everywhere_others_new"],
+        )
+        for r in rows
+    ]
+    return Read(rows[0]["read_at"], figures)

@@ -43,9 +43,9 @@ _NOTES = (
     "but `workspace_ids` (at most provisioners.eligibility_max_workspaces, default "
     f"{KNOBS.provisioners.eligibility_max_workspaces}, none twice). The provisioner's allocation "
     "walk visits only the workspaces it admits, so it gets no grant for another and none of its "
-    "idle runners is bound to another; a change applies from its next round (at the latest "
-    "provisioners.demand_safety_tick_seconds later) without reconnecting. Grants already made "
-    "stay until used or expired. A workspace-scope token is 409 `conflict`."
+    "idle runners is bound to another; a change applies from its next round (at the latest one "
+    "and a half provisioners.demand_safety_tick_seconds later) without reconnecting. Grants "
+    "already made stay until used or expired. A workspace-scope token is 409 `conflict`."
 )
 
 

@@ -5,22 +5,26 @@ On trio's mock clock with the fake store of test_provisioning.py."""
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 import anyio
+import anyio.abc
 import pytest
 import trio.testing
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from controlplane.actors.provisioning import DemandBoard, DemandPush, DemandSweep, ProvisionerActor
+from controlplane.actors.provisioning.sweep import SPREAD
 from controlplane.domain.demand import Reservation
 from controlplane.domain.rounds import WalkEntry, WorkspaceRound
-from controlplane.store.demand_sweep import Figures, SweptSession
+from controlplane.store.demand_sweep import Figures, Read, SweptSession
 from controlplane.store.provisioning import RoundTerms
 from tests.actors.test_provisioning import LIMITS, NOW, FakeStore, provisioner, template
 
@@ -62,15 +66,18 @@ class CountingStore(FakeStore):
 
 
 class FixedFigures:
-    """A sweep store whose figures the test sets; counts its statements."""
+    """A sweep store whose figures the test sets (as one value each); counts its statements."""
 
     def __init__(self) -> None:
-        self.figures_of: dict[UUID, Figures] = {}
+        self.figures_of: dict[UUID, int] = {}
         self.statements = 0
 
-    async def figures(self, sessions: Sequence[SweptSession]) -> list[Figures]:
+    async def figures(self, sessions: Sequence[SweptSession], since: datetime | None) -> Read:
         self.statements += 1
-        return [self.figures_of.get(s.provisioner_id, (0,)) for s in sessions]
+        return Read(
+            NOW,
+            [Figures((self.figures_of.get(s.provisioner_id, 0),), (), (), 0) for s in sessions],
+        )
 
 
 async def _advertised(
@@ -188,7 +195,7 @@ async def test_the_sweep_wakes_only_actors_whose_figures_moved() -> None:
         assert (quiet_store.rounds, busy_store.rounds) == (2, 2)
         # A job claimed on another replica: its workspace's figures move, no notification.
         busy_store.queued[busy_ws] = 1
-        figures.figures_of[busy.provisioner.id] = (1,)
+        figures.figures_of[busy.provisioner.id] = 1
         with anyio.fail_after(SWEEP + 1):
             push = await busy_pushes.receive()
         assert [g.count for g in push.grants] == [1]
@@ -205,3 +212,69 @@ async def test_a_sweep_with_no_session_reads_nothing() -> None:
         await anyio.sleep(10 * SWEEP)
         group.cancel_scope.cancel()
     assert figures.statements == 0
+
+
+async def _swept_fleet(
+    count: int, board: DemandBoard, group: anyio.abc.TaskGroup
+) -> list[tuple[CountingStore, ProvisionerActor]]:
+    """`count` running workspace actors on `board`, each past its advertisement's round."""
+    fleet = []
+    for _ in range(count):
+        workspace = uuid.uuid4()
+        store = CountingStore(workspace)
+        actor, pushes, _send = await _advertised(store, workspace, board)
+        group.start_soon(actor.run)
+        await actor.advertise([template()], 10, None)
+        with anyio.fail_after(1):
+            await pushes.receive()
+        fleet.append((store, actor))
+    return fleet
+
+
+async def test_the_sweep_spreads_the_rounds_it_wakes_over_half_a_tick() -> None:
+    """When many actors' figures moved in one tick, their rounds must not all start at once
+    (they queued for the pool and the database ahead of an enqueue's round)."""
+    board, figures = DemandBoard(), FixedFigures()
+    sweep = DemandSweep(board, figures, tick_seconds=SWEEP)
+    async with anyio.create_task_group() as group:
+        fleet = await _swept_fleet(8, board, group)
+        await sweep.wake(await sweep.sweep(), over=SWEEP * SPREAD)  # first sight: settle
+        await anyio.sleep(1)
+        for store, actor in fleet:
+            figures.figures_of[actor.provisioner.id] = 1  # e.g. a burst of claims elsewhere
+            store.started.clear()
+        read_at = anyio.current_time()
+        found = await sweep.sweep()
+        assert {a for a, _ in found} == {a for _, a in fleet}
+        assert await sweep.wake(found, over=SWEEP * SPREAD) == len(fleet)
+        await anyio.sleep(1)
+        starts = sorted(s for store, _ in fleet for s in store.started)
+        assert len(starts) == len(fleet)  # one round each
+        gap = SWEEP * SPREAD / len(fleet)
+        assert all(b - a >= gap - 1e-6 for a, b in itertools.pairwise(starts))
+        assert starts[0] - read_at < 0.01  # the first at once
+        assert starts[-1] - read_at < SWEEP * SPREAD  # the last within half a tick
+        group.cancel_scope.cancel()
+
+
+async def test_the_sweep_does_not_wake_an_actor_that_began_a_round_since_its_read() -> None:
+    board, figures = DemandBoard(), FixedFigures()
+    sweep = DemandSweep(board, figures, tick_seconds=SWEEP)
+    async with anyio.create_task_group() as group:
+        (first_store, first), (second_store, second) = await _swept_fleet(2, board, group)
+        await sweep.wake(await sweep.sweep(), over=0)
+        await anyio.sleep(1)
+        for store, actor in ((first_store, first), (second_store, second)):
+            figures.figures_of[actor.provisioner.id] = 1
+            store.started.clear()
+        found = await sweep.sweep()
+        assert [a for a, _ in found] == board.actors()
+        # An enqueue's notification reaches the later one before the sweep would wake it: that
+        # round reads what the sweep read, so the sweep's wake would be a second, idle round.
+        later = found[-1][0]
+        assert later.provisioner.workspace_id is not None
+        board.wake_workspace(later.provisioner.workspace_id)
+        assert await sweep.wake(found, over=SWEEP * SPREAD) == 1
+        await anyio.sleep(SWEEP)
+        assert sorted(len(s.started) for s in (first_store, second_store)) == [1, 1]
+        group.cancel_scope.cancel()

@@ -164,6 +164,9 @@ class ProvisionerActor:
         # (reservations it made expiring, instances it created timing out).
         self._deadlines: list[float] = []
         self._walks = WalkMemory(limits.full_walk_seconds)  # installation scope only
+        # Rounds begun so far: the demand sweep skips waking an actor that began one after its
+        # read (that round read everything the sweep saw).
+        self.rounds_begun = 0
 
     @property
     def scope(self) -> Scope:
@@ -386,6 +389,7 @@ class ProvisionerActor:
                 if advertisement is None:
                     continue
                 metrics.allocation_triggers.labels(trigger).inc()
+                self.rounds_begun += 1
                 fresh, self._fresh_advertisement = self._fresh_advertisement, False
                 outcome = await self._measured_round(advertisement)
                 self._expect(outcome, advertisement.launch_ttl)
