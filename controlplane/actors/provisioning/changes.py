@@ -49,22 +49,37 @@ class WalkMemory:
 
     full_walk_seconds: float
     _covered: dict[UUID, tuple[int, WorkspaceRound]] = field(default_factory=dict)
-    _changed: set[UUID] = field(default_factory=set)
+    # Workspaces notified since their last walk, each with the number of its latest notice.
+    _changed: dict[UUID, int] = field(default_factory=dict)
+    _notices: int = 0
+    _asked: int = 0  # notices up to this one were asked for by the round's list
+    _planned: int = 0  # notices up to this one are seen by the round's transactions
     _full_due: bool = True
     _last_full: float | None = None
 
     def changed(self, workspace_id: UUID) -> None:
         """The workspace's demand may have grown (a notification)."""
-        self._changed.add(workspace_id)
+        self._notices += 1
+        self._changed[workspace_id] = self._notices
 
     def resync(self) -> None:
         """Walk every workspace next round (an advertisement, a listener that reconnected)."""
         self._full_due = True
 
+    def marked(self) -> frozenset[UUID]:
+        """The workspaces the round's list must hold whatever their age: those notified since
+        their last walk. Called just before the list is read."""
+        self._asked = self._notices
+        return frozenset(self._changed)
+
     def plan(self, entries: Sequence[WalkEntry], now: float) -> frozenset[UUID]:
-        """The listed workspaces this round may leave out; `now` is the monotonic clock. Takes
-        the changes noted so far (later ones wait for the next round)."""
-        changed, self._changed = self._changed, set()
+        """The listed workspaces this round may leave out; `now` is the monotonic clock. A
+        notified workspace the list did not hold has no demand left: its notice is dropped."""
+        self._planned = self._notices
+        listed = {e.workspace_id: e.reservations for e in entries}
+        self._changed = {
+            w: notice for w, notice in self._changed.items() if w in listed or notice > self._asked
+        }
         if (
             self._full_due
             or self._last_full is None
@@ -74,16 +89,18 @@ class WalkMemory:
             self._last_full = now
             self._covered.clear()
             return frozenset()
-        listed = {e.workspace_id: e.reservations for e in entries}
         self._covered = {
             w: kept
             for w, kept in self._covered.items()
-            if w not in changed and listed.get(w) == kept[0]
+            if w not in self._changed and listed.get(w) == kept[0]
         }
         return frozenset(self._covered)
 
     def walked(self, entry: WalkEntry, result: WorkspaceRound | None) -> None:
-        """Remember a walked workspace while it stays covered (None: skipped as busy)."""
+        """Remember a walked workspace while it stays covered (None: skipped as busy, and
+        still notified). A committed round saw every notice noted before the round planned."""
+        if result is not None and self._changed.get(entry.workspace_id, 0) <= self._planned:
+            self._changed.pop(entry.workspace_id, None)
         if result is not None and result.covered:
             # The fingerprint the round left (its own grants included), else the list's.
             after = entry.reservations if result.reservations is None else result.reservations

@@ -31,7 +31,7 @@ from controlplane.domain.demand import (
     walk_share,
     without_pending,
 )
-from controlplane.domain.labels import LabelSet
+from controlplane.domain.labels import LabelSet, matches
 from controlplane.domain.reports import ReconcileOutcome, ReportOutcome, RunnerEvent
 from controlplane.domain.rounds import Grant, WalkEntry, WorkspaceRound
 from controlplane.domain.runner_instances import ProvisionedRunner
@@ -52,7 +52,11 @@ class ProvisioningStore(Protocol):
 
     async def allocate_workspace(self, workspace_id: UUID, terms: RoundTerms) -> WorkspaceRound: ...
 
-    async def walk_workspaces(self) -> list[WalkEntry]: ...
+    async def walk_workspaces(self, changed: Collection[UUID] = ()) -> list[WalkEntry]: ...
+
+    async def walk_figures(
+        self, workspace_ids: Sequence[UUID], terms: RoundTerms
+    ) -> list[WorkspaceRound]: ...
 
     async def allocate_in_walk(
         self, workspace_id: UUID, terms: RoundTerms
@@ -118,6 +122,7 @@ class RoundOutcome:
     rounds: list[WorkspaceRound] = field(default_factory=list)
     skipped: list[UUID] = field(default_factory=list)  # busy workspaces of a walk
     unchanged: list[UUID] = field(default_factory=list)  # covered and unchanged: not walked
+    figured: list[UUID] = field(default_factory=list)  # nothing to give them: figures only
 
     def record(self, result: WorkspaceRound) -> None:
         """Add one committed workspace transaction."""
@@ -192,11 +197,30 @@ async def installation_walk(
     covered when last walked and has not changed since keeps its place in the order and in the
     fair share but runs no transaction: it would have granted and bound nothing and used none
     of the budget, so every other workspace's round is what the full walk gives it. Its demand
-    figures are those of its last walk (`WalkMemory.carried`)."""
+    figures are those of its last walk (`WalkMemory.carried`). The workspaces notified since
+    their last walk join the list whatever their age (`WalkMemory.marked`).
+
+    The slots the walk has left are carried from one workspace to the next (spec 3.5 step 4):
+    the advertised ones less the provisioner's pending launch units, read once before the
+    first workspace, then what each committed round left. Once a template has none left (or
+    the fair share leaves a workspace nothing), one statement reads the figures of every
+    workspace still to visit (`walk_figures`), and a workspace runs its transaction only if
+    they show a demand group with unreserved units that a template with a slot left could take
+    (`could_give`); the others report those figures. A round grants at most a group's
+    unreserved units, capped by the slots of its satisfying templates and the budget, and binds
+    only within that grant (spec 3.3 step 7), so a workspace left out this way would have
+    granted and bound nothing, whatever idle runners the provisioner has: with no slot left at
+    all, the walk runs no further transaction, and its terminate intents (workspace scope
+    only) and reservations are untouched. A workspace missing from the figures (none read yet,
+    or a store that reads none) is walked."""
     budget = terms.max_reservations
     capacity = walk_capacity(terms.templates, budget)
-    entries = await store.walk_workspaces()
+    changed = memory.marked() if memory is not None else frozenset()
+    entries = await store.walk_workspaces(changed)
     unchanged = memory.plan(entries, now) if memory is not None else frozenset()
+    slots = without_pending(terms.templates, await store.outstanding_grants())
+    committed = False
+    figures: dict[UUID, WorkspaceRound] | None = None
     for index, entry in enumerate(entries):
         if budget <= 0:
             break
@@ -209,6 +233,14 @@ async def installation_walk(
         cap = budget
         if terms.fair_share:
             cap = min(budget, walk_share(capacity, len(entries) - index))
+        if figures is None and (cap <= 0 or any(t.available_slots <= 0 for t in slots)):
+            rest = [e.workspace_id for e in entries[index:] if e.workspace_id not in unchanged]
+            figures = {r.workspace_id: r for r in await store.walk_figures(rest, terms)}
+        known = None if figures is None else figures.get(workspace_id)
+        if known is not None and not could_give(known, slots, cap):
+            outcome.record(known)
+            outcome.figured.append(workspace_id)
+            continue
         result = await store.allocate_in_walk(workspace_id, replace(terms, max_reservations=cap))
         if memory is not None:
             memory.walked(entry, result)
@@ -216,10 +248,25 @@ async def installation_walk(
             outcome.skipped.append(workspace_id)
             continue
         outcome.record(result)
+        committed = True
+        slots = result.allocation.remaining_templates
         used = cap - result.allocation.remaining_max
         budget -= used
         capacity -= used
-    outcome.remaining = without_pending(terms.templates, await store.outstanding_grants())
+    if committed:
+        slots = without_pending(terms.templates, await store.outstanding_grants())
+    outcome.remaining = slots
+
+
+def could_give(figures: WorkspaceRound, slots: Sequence[Template], cap: int) -> bool:
+    """Whether a workspace's round could grant or bind anything, by its figures (a round with
+    no budget), with `slots` left and at most `cap` units: a demand group with units no live
+    reservation holds, which a template with a slot left satisfies."""
+    return cap > 0 and any(
+        stat.queued > stat.reserved
+        and any(t.available_slots > 0 and matches(stat.labels, t.labels) for t in slots)
+        for stat in figures.allocation.stats
+    )
 
 
 def grant_of(reservation: Reservation, pending: int) -> Grant:
