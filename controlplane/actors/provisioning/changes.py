@@ -2,10 +2,15 @@
 changed since its last round, those the last round left uncovered, and every one on a slow
 periodic full walk (`provisioners.demand_full_walk_seconds`) or after a resync.
 
-The walk still lists every workspace with demand, oldest first (store/demand.py reads that list
-from the `workspace_demand` summary, at a cost per workspace with demand), and still counts each
-listed workspace for the fair share of the ones after it. It only leaves out the transaction of
-a workspace that is *covered and unchanged*, which could grant or bind nothing:
+The walk lists the workspaces with demand, oldest first (store/demand.py reads that list from
+the `workspace_demand` summary, at a cost per workspace with demand): the 1,000 oldest, and
+with them, whatever their age, every workspace notified since the walk last visited it
+(`marked`), so new demand in a young workspace is walked the round its notification arrives
+rather than after every older one. A notice is kept until the workspace's round commits
+(`walked`: a busy one, or one the walk could give nothing, keeps it), or until a list that asked
+for it does not hold it (no demand left that could start). The walk counts each listed
+workspace for the fair share of the ones after it. It leaves out the transaction of a workspace
+that is *covered and unchanged*, which could grant or bind nothing:
 
 * covered: the last time this provisioner walked it (committed, not skipped as busy), every
   demand group was reserved in full or matched none of its templates (`domain.demand.covers`;
@@ -29,9 +34,12 @@ a workspace that is *covered and unchanged*, which could grant or bind nothing:
 A notification that arrives while a round runs is kept for the next one, and wakes the actor,
 so a change that the round's list already showed but its memory did not is walked at most one
 round late, exactly as a full walk that ran just before the commit would have found it a round
-late. Notifications lost while the listener reconnects are covered by its `resync` (a full
-walk) and the periodic full walk. What a skipped workspace reports in `demand` is what its last
-walk found (its queued count may have fallen since, by claims, until it is walked again).
+late; its notice stays until a round that planned after it walks the workspace. (A walk also
+leaves out, for one round, the workspaces it can give nothing because a template has no slot
+left: rounds.py says why.) Notifications lost while the listener reconnects are covered by
+its `resync` (a full walk) and the periodic full walk. What a skipped workspace reports in
+`demand` is what its last walk found (its queued count may have fallen since, by claims, until
+it is walked again).
 """
 
 from __future__ import annotations
