@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Collection, Sequence
+from datetime import timedelta
 from uuid import UUID
 
 import asyncpg
@@ -21,11 +22,22 @@ from controlplane.domain.demand import Template
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.provisioners import Provisioner
 from controlplane.domain.rounds import WalkEntry, WorkspaceRound
-from controlplane.store import demand, provisioner_sessions
+from controlplane.store import demand, demand_inputs, provisioner_sessions, queue, walk_figures
 from controlplane.store.pool import Conn
 from controlplane.store.provisioning import RoundTerms
 from tests import provisioning as rows
-from tests.store.test_demand_store import GPU, HOUR, LINUX, TTL, WalkStore, runner_row, template
+from tests.factories import new_job
+from tests.store.test_demand_store import (
+    GPU,
+    HOUR,
+    LINUX,
+    TTL,
+    X64,
+    WalkStore,
+    poll,
+    runner_row,
+    template,
+)
 
 Shape = list[tuple[int, LabelSet, int]]  # (position in the set, labels, count)
 
@@ -286,3 +298,52 @@ async def test_a_notified_workspace_joins_the_list_whatever_its_age(
     pair[0].memory.resync()  # a new advertisement: more slots
     outcome, grants = await both((template(40),))
     assert grants == [(0, LINUX, 13), (3, LINUX, 1)]
+
+
+async def test_the_figures_are_what_a_round_with_no_budget_reports(conn: Conn) -> None:
+    """`walk_figures` against the round's own read (P-30's stats-only round), workspace by
+    workspace: a concurrency key's waiting jobs, demand a workspace provisioner covers, live,
+    expired and other provisioners' reservations, demand no template takes, no demand at all."""
+    keyed, plain, empty = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    inst = await rows.provisioner(conn)
+    other = await rows.provisioner(conn)
+    await queue.enqueue(conn, [new_job(keyed, list(GPU), key=("deploy", 1)) for _ in range(3)])
+    await rows.pending_jobs(conn, keyed, GPU, 2)
+    await rows.pending_jobs(conn, keyed, LINUX, 1)
+    await rows.pending_jobs(conn, keyed, X64, 1)
+    own = await rows.provisioner(conn, keyed)
+    await demand_inputs.replace_templates(conn, own.id, keyed, [template(0, X64)])
+    await rows.pending_jobs(conn, plain, LINUX, 4)
+    await rows.pending_jobs(conn, plain, ("arm", "linux"), 1)
+    await rows.reservation(conn, workspace_id=plain, provisioner_id=other.id, count=1)
+    await rows.reservation(conn, workspace_id=plain, provisioner_id=inst.id, count=2)
+    await rows.reservation(
+        conn, workspace_id=plain, provisioner_id=other.id, count=5, ttl=-timedelta(seconds=1)
+    )
+    templates = (template(0, GPU, key="gpu"), template(3, X64, key="x64"), template(0))
+    order = [keyed, plain, empty]
+
+    figures = await walk_figures.walk_figures(
+        conn,
+        provisioner_id=inst.id,
+        workspace_ids=order,
+        templates=templates,
+        launch_ttl=TTL,
+        activation_grace=TTL,
+        covering_window=HOUR,
+    )
+
+    rounds = [
+        await poll(conn, inst, w, templates=templates, max_reservations=0, covering_window=HOUR)
+        for w in order
+    ]
+    assert [f.workspace_id for f in figures] == order
+    assert [f.allocation.stats for f in figures] == [r.allocation.stats for r in rounds]
+    # The key admits one of its three jobs; the workspace's own x64 provisioner covers its linux
+    # and x64 demand; only live reservations count; no template takes arm demand.
+    assert [[(s.labels, s.queued, s.reserved) for s in f.allocation.stats] for f in figures] == [
+        [(GPU, 3, 0)],
+        [(LINUX, 4, 3)],
+        [],
+    ]
+    assert (figures[1].grants, figures[1].bound, figures[1].covered) == ((), 0, False)
