@@ -32,13 +32,14 @@ from controlplane.domain.demand import (
 )
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.domain.rounds import WorkspaceRound
+from controlplane.store.demand import _FINGERPRINT
 from controlplane.store.demand_inputs import _STARTABLE
 from controlplane.store.pool import Conn
 
 # One statement for workspaces $1: their startable demand groups (the round's own `_STARTABLE`,
 # its workspace the lateral's), their live reservations, the label sets their own active
-# workspace provisioners advertised within window $2 (NULL: none; `covering_labels`), and the
-# database's clock.
+# workspace provisioners advertised within window $2 (NULL: none; `covering_labels`), the
+# fingerprint of their live reservations (`WalkEntry.reservations`), and the database's clock.
 _FIGURES = f"""
 SELECT 'demand' AS what, w.workspace_id, d.required_labels AS labels, count(*)::int AS count,
        min(d.created_at) AS at, NULL::uuid AS id, NULL::uuid AS provisioner_id, NULL::text AS kind
@@ -60,8 +61,12 @@ SELECT DISTINCT 'covering', pt.workspace_id, pt.labels, NULL::int, NULL::timesta
    AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > now())
    AND pt.advertised_at > now() - $2::interval
 UNION ALL
+SELECT 'fingerprint', w.workspace_id, NULL, NULL, NULL, NULL, NULL,
+       ({_FINGERPRINT.format(workspace="w.workspace_id")})
+  FROM unnest($1::uuid[]) AS w(workspace_id)
+UNION ALL
 SELECT 'now', NULL, NULL, NULL, now(), NULL, NULL, NULL
-"""  # noqa: S608 -- interpolates a constant only: _STARTABLE
+"""  # noqa: S608 -- interpolates constants only: _STARTABLE, _FINGERPRINT
 
 
 async def walk_figures(
@@ -75,7 +80,11 @@ async def walk_figures(
     covering_window: timedelta | None,
 ) -> list[WorkspaceRound]:
     """The figures of `workspace_ids`, in their order, as rounds that granted and bound nothing
-    (`covered` False: the walk's memory learns nothing from them). Takes no lock."""
+    (`covered` False). Each carries the fingerprint of the workspace's live reservations in the
+    same snapshot (`reservations`), so the walk may carry the figures to a later round while
+    the fingerprint and the workspace's notifications say nothing changed
+    (actors/provisioning/changes.py); None where the workspace's own provisioners cover some
+    of its demand, which changes with time alone. Takes no lock."""
     if not workspace_ids:
         return []
     rows = await conn.fetch(_FIGURES, list(workspace_ids), covering_window)
@@ -83,10 +92,13 @@ async def walk_figures(
     demand: dict[UUID, list[DemandGroup]] = {w: [] for w in workspace_ids}
     reservations: dict[UUID, list[Reservation]] = {w: [] for w in workspace_ids}
     covering: dict[UUID, list[LabelSet]] = {w: [] for w in workspace_ids}
+    fingerprints: dict[UUID, int] = {}
     for r in rows:
         what, workspace_id, labels = r["what"], r["workspace_id"], tuple(r["labels"] or ())
         if what == "now":
             now = r["at"]
+        elif what == "fingerprint":
+            fingerprints[workspace_id] = int(r["kind"])
         elif what == "demand":
             demand[workspace_id].append(DemandGroup(labels, r["count"], r["at"]))
         elif what == "reservation":
@@ -121,5 +133,10 @@ async def walk_figures(
             covering_labels=covering[workspace_id],
         )
         allocation = allocate(inputs, now=now)
-        figures.append(WorkspaceRound(workspace_id, allocation, grants=(), bound=0, rebound=0))
+        fingerprint = None if covering[workspace_id] else fingerprints[workspace_id]
+        figures.append(
+            WorkspaceRound(
+                workspace_id, allocation, grants=(), bound=0, rebound=0, reservations=fingerprint
+            )
+        )
     return figures

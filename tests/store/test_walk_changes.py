@@ -60,6 +60,7 @@ class TwinStore(WalkStore):
         super().__init__(pool, inst, generation, workspaces, None)
         self.figures = figures
         self.limit = limit
+        self.read: list[UUID] = []  # workspaces whose figures were read, every round
 
     async def walk_workspaces(self, changed: Collection[UUID] = ()) -> list[WalkEntry]:
         async with self.pool.acquire() as conn:
@@ -71,13 +72,16 @@ class TwinStore(WalkStore):
     async def walk_figures(
         self, workspace_ids: Sequence[UUID], terms: RoundTerms
     ) -> list[WorkspaceRound]:
-        return await super().walk_figures(workspace_ids, terms) if self.figures else []
+        if not self.figures:
+            return []
+        self.read.extend(workspace_ids)
+        return await super().walk_figures(workspace_ids, terms)
 
 
 class Twin:
     """One installation provisioner over its own workspaces."""
 
-    def __init__(self, store: WalkStore, workspaces: list[UUID], memory: WalkMemory | None):
+    def __init__(self, store: TwinStore, workspaces: list[UUID], memory: WalkMemory | None):
         self.store = store
         self.workspaces = workspaces
         self.memory = memory
@@ -241,20 +245,36 @@ async def test_a_walk_runs_no_transaction_where_it_can_give_nothing_and_reports_
     for runner_id in idle:
         assert (await runner_row(conn, runner_id))["workspace_id"] is None
 
-    # A slot frees (a new advertisement, which walks everything): the idle runner is bound in
-    # the first linux workspace, taking no slot, and the slots go to the two after it.
+    # Nothing changed: the figures are carried (no notice, the same reservations), not read.
+    before = [twin.store.asked for twin in pair]
+    outcome, grants = await same_round(pair, fair_share=fair_share, templates=gpu)
+    assert grants == [] and outcome.figured == pair[0].workspaces[1:]
+    assert pair[0].store.asked == before[0] and len(pair[0].store.read) == 3
+    # A new job in the third (notified), another provisioner's reservation in the fourth (not
+    # notified, its fingerprint shows): only their figures are read again.
+    await more_jobs(conn, pair, 2, LINUX, 1)
+    other = await rows.provisioner(conn)
+    for twin in pair:
+        await rows.reservation(conn, workspace_id=twin.workspaces[3], provisioner_id=other.id)
+    outcome, grants = await same_round(pair, fair_share=fair_share, templates=gpu)
+    assert grants == [] and pair[0].store.read[3:] == pair[0].workspaces[2:]
+
+    # Slots free (a new advertisement, which walks everything): the idle runner is bound in
+    # the first linux workspace, taking no slot, and the slots go to the next (the fourth's job
+    # is reserved by the other provisioner).
     assert pair[0].memory is not None
     pair[0].memory.resync()
-    more = (template(3, GPU, key="gpu"),)
+    more = (template(4, GPU, key="gpu"),)
     outcome, grants = await same_round(pair, fair_share=fair_share, templates=more)
-    assert grants == [(2, LINUX, 1), (3, LINUX, 1)] and outcome.figured == []
+    assert grants == [(2, LINUX, 2)] and outcome.figured == []
     assert outcome.bound_ids == {idle[0]}
 
-    # Nothing left to give and nothing changed: no transaction at all (the oldest is covered,
-    # the rest too), the same figures.
+    # Nothing left to give and nothing changed: no transaction and no read at all (every
+    # workspace is covered), the same figures.
     before = [twin.store.asked for twin in pair]
+    read = len(pair[0].store.read)
     outcome, grants = await same_round(pair, fair_share=fair_share, templates=more)
-    assert grants == [] and pair[0].store.asked == before[0]
+    assert grants == [] and pair[0].store.asked == before[0] and len(pair[0].store.read) == read
 
 
 async def test_a_notified_workspace_joins_the_list_whatever_its_age(

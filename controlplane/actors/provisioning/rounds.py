@@ -22,12 +22,17 @@ reservation holds that a template with a slot left satisfies. The others report 
 computes no terminate intents and no activation timeouts (workspace scope only), cleans up no
 reservation (maintenance does), and binds idle runners only within the grant its slots allow
 (spec 3.3 step 7: with no slot left it binds none, whatever idle runners the provisioner has,
-so no idle-runner read is needed). A figured workspace is not remembered as covered, and keeps
-its notice (changes.py), so it is walked once it can be given something. The figures are read
-at most once a round and cost one GROUP BY over the remaining listed workspaces' pending rows
-instead of a transaction each. Their snapshot is a little later than the list's; a change after
-it is notified (a new job), is a reservation expiry the actor has a deadline for, or waits for
-the next round, as a change during a full walk would.
+so no idle-runner read is needed). A figured workspace is not remembered as covered, and stays
+listed whatever its age (changes.py), so it is walked once it can be given something. The
+figures are read at most once a round, in one statement (a GROUP BY over those workspaces'
+pending rows) instead of a transaction each, and only for workspaces the memory has no figures
+of: figures read in an earlier round are carried while no notice came for the workspace and
+the fingerprint of its live reservations is the one the read saw (no new job, the same
+reservations: its unreserved units can only have fallen since, by claims or deadlines, so it
+still could give nothing; its queued count is reported as read, as a covered workspace's is).
+Their snapshot is a little later than the list's; a change after it is notified (a new job), is
+a reservation expiry the actor has a deadline for, or waits for the next round, as a change
+during a full walk would.
 
 Every transaction the store runs for the session takes the session's fencing row first (its
 implementation, store/provisioning.py, says how); nothing here checks the fence.
@@ -254,8 +259,7 @@ async def installation_walk(
         if terms.fair_share:
             cap = min(budget, walk_share(capacity, len(entries) - index))
         if figures is None and (cap <= 0 or any(t.available_slots <= 0 for t in slots)):
-            rest = [e.workspace_id for e in entries[index:] if e.workspace_id not in unchanged]
-            figures = {r.workspace_id: r for r in await store.walk_figures(rest, terms)}
+            figures = await _figures(store, terms, entries[index:], unchanged, memory)
         known = None if figures is None else figures.get(workspace_id)
         if known is not None and not could_give(known, slots, cap):
             outcome.record(known)
@@ -276,6 +280,32 @@ async def installation_walk(
     if committed:
         slots = without_pending(terms.templates, await store.outstanding_grants())
     outcome.remaining = slots
+
+
+async def _figures(
+    store: ProvisioningStore,
+    terms: RoundTerms,
+    rest: Sequence[WalkEntry],
+    unchanged: Collection[UUID],
+    memory: WalkMemory | None,
+) -> dict[UUID, WorkspaceRound]:
+    """The figures of the workspaces still to visit: those the memory still holds, and one
+    statement for the others."""
+    figures: dict[UUID, WorkspaceRound] = {}
+    unread = []
+    for entry in rest:
+        if entry.workspace_id in unchanged:
+            continue
+        kept = memory.figures(entry.workspace_id) if memory is not None else None
+        if kept is None:
+            unread.append(entry.workspace_id)
+        else:
+            figures[entry.workspace_id] = kept
+    read = await store.walk_figures(unread, terms) if unread else []
+    if memory is not None:
+        memory.read(read)
+    figures.update((r.workspace_id, r) for r in read)
+    return figures
 
 
 def could_give(figures: WorkspaceRound, slots: Sequence[Template], cap: int) -> bool:
