@@ -367,3 +367,34 @@ async def test_the_figures_are_what_a_round_with_no_budget_reports(conn: Conn) -
         [],
     ]
     assert (figures[1].grants, figures[1].bound, figures[1].covered) == ((), 0, False)
+
+
+@pytest.mark.parametrize("fair_share", [False, True])
+async def test_with_one_template_full_the_walk_reads_figures_once_a_round_gave_nothing(
+    pool: asyncpg.Pool, conn: Conn, fair_share: bool
+) -> None:
+    """The shape of bench/installation.py's probes: the backlog's template full, a probe
+    template free. A walk with a template full reads the figures only once one of its rounds
+    gave nothing (before that the slots may all go to the first workspace), and from then on
+    only the notified workspaces run a transaction."""
+    bulk, probe = ("bulk", "linux"), ("linux", "probe")
+    pair = await twins(pool, conn, 3, labels=[bulk, bulk, bulk])
+    for twin in pair:
+        for workspace_id in twin.workspaces:
+            await rows.pending_jobs(conn, workspace_id, bulk, 1)
+    templates = (template(1, bulk, key="bulk"), template(5, probe, key="probe"))
+    left = pair[0].store
+
+    _, grants = await same_round(pair, fair_share=fair_share, templates=templates)
+    assert grants == [(0, bulk, 1)]
+    assert (left.asked, left.read) == (2, pair[0].workspaces[1:])  # the second gave nothing
+
+    await more_jobs(conn, pair, 2, probe, 1)
+    _, grants = await same_round(pair, fair_share=fair_share, templates=templates)
+    assert grants == [(2, probe, 1)]
+    assert left.asked == 4 and left.read[2:] == [pair[0].workspaces[0], pair[0].workspaces[2]]
+
+    await more_jobs(conn, pair, 2, probe, 1)
+    _, grants = await same_round(pair, fair_share=fair_share, templates=templates)
+    assert grants == [(2, probe, 1)]
+    assert left.asked == 5 and len(left.read) == 4  # every figure carried: one transaction

@@ -13,11 +13,14 @@ A walk runs a workspace's transaction only while it could give it something (iss
 walk at 10,000 workspaces ran 1,000 transactions a round with no slot free). It carries the
 slots it has left, as spec 3.5 step 4 does: before the first workspace, the advertised ones
 less the provisioner's pending launch units (one read); after each committed round, what that
-round left. Once a template has none left, or the fair share leaves a workspace nothing, one
-statement reads the demand figures of every workspace still to visit (`walk_figures`,
+round left. Once no template has a slot left, or the fair share leaves a workspace nothing, or
+a template has none left and a round of this walk gave nothing (before that the slots may all
+go to the first workspace, and a read would be wasted), one statement reads the demand figures
+of every workspace still to visit and of those that gave nothing (`walk_figures`,
 store/walk_figures.py: `allocate` with no budget over each one's inputs), and from there a
 workspace runs its transaction only when `could_give`: a demand group with units no live
-reservation holds that a template with a slot left satisfies. The others report those figures
+reservation holds that a template with a slot left satisfies. Figures the memory still holds
+are used so before any read. The others report those figures
 (`RoundOutcome.figured`), which is all their rounds would have done: an installation round
 computes no terminate intents and no activation timeouts (workspace scope only), cleans up no
 reservation (maintenance does), and binds idle runners only within the grant its slots allow
@@ -226,18 +229,19 @@ async def installation_walk(
     their last walk join the list whatever their age (`WalkMemory.marked`).
 
     The slots the walk has left are carried from one workspace to the next (spec 3.5 step 4):
-    the advertised ones less the provisioner's pending launch units, read once before the
-    first workspace, then what each committed round left. Once a template has none left (or
-    the fair share leaves a workspace nothing), one statement reads the figures of every
-    workspace still to visit (`walk_figures`), and a workspace runs its transaction only if
+    the advertised ones less the provisioner's pending launch units, read once before the first
+    workspace, then what each committed round left. Once no template has a slot left, or the
+    fair share leaves a workspace nothing, or a template has none and a round gave nothing, one
+    statement reads the figures of every workspace still to visit (`walk_figures`; the memory's,
+    `WalkMemory.figures`, are used without a read), and a workspace runs its transaction only if
     they show a demand group with unreserved units that a template with a slot left could take
-    (`could_give`); the others report those figures. A round grants at most a group's
-    unreserved units, capped by the slots of its satisfying templates and the budget, and binds
-    only within that grant (spec 3.3 step 7), so a workspace left out this way would have
-    granted and bound nothing, whatever idle runners the provisioner has: with no slot left at
-    all, the walk runs no further transaction, and its terminate intents (workspace scope
-    only) and reservations are untouched. A workspace missing from the figures (none read yet,
-    or a store that reads none) is walked."""
+    (`could_give`); the others report those figures. A round grants at most a group's unreserved
+    units, capped by the slots of its satisfying templates and the budget, and binds only within
+    that grant (spec 3.3 step 7), so a workspace left out this way would have granted and bound
+    nothing, whatever idle runners the provisioner has: with no slot left at all, the walk runs
+    no further transaction, and its terminate intents (workspace scope only) and reservations
+    are untouched. A workspace missing from the figures (none read yet, or a store that reads
+    none) is walked."""
     budget = terms.max_reservations
     capacity = walk_capacity(terms.templates, budget)
     changed = memory.marked() if memory is not None else frozenset()
@@ -246,6 +250,7 @@ async def installation_walk(
     slots = without_pending(terms.templates, await store.outstanding_grants())
     committed = False
     figures: dict[UUID, WorkspaceRound] | None = None
+    gave_nothing: list[WalkEntry] = []  # walked before the figures were read, in vain
     for index, entry in enumerate(entries):
         if budget <= 0:
             break
@@ -258,9 +263,17 @@ async def installation_walk(
         cap = budget
         if terms.fair_share:
             cap = min(budget, walk_share(capacity, len(entries) - index))
-        if figures is None and (cap <= 0 or any(t.available_slots <= 0 for t in slots)):
-            figures = await _figures(store, terms, entries[index:], unchanged, memory)
-        known = None if figures is None else figures.get(workspace_id)
+        if figures is None and (
+            cap <= 0
+            or not any(t.available_slots > 0 for t in slots)
+            or (gave_nothing and any(t.available_slots <= 0 for t in slots))
+        ):
+            rest = [*gave_nothing, *entries[index:]]
+            figures = await _figures(store, terms, rest, unchanged, memory)
+        if figures is not None:
+            known = figures.get(workspace_id)
+        else:
+            known = memory.figures(workspace_id) if memory is not None else None
         if known is not None and not could_give(known, slots, cap):
             outcome.record(known)
             outcome.figured.append(workspace_id)
@@ -273,6 +286,8 @@ async def installation_walk(
             continue
         outcome.record(result)
         committed = True
+        if figures is None and not result.allocation.newly_reserved:
+            gave_nothing.append(entry)
         slots = result.allocation.remaining_templates
         used = cap - result.allocation.remaining_max
         budget -= used
