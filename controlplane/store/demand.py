@@ -294,7 +294,8 @@ _FINGERPRINT = """SELECT coalesce(sum(hashtextextended(r.id::text || ':' || r.co
 # its queue deadline, one probe of pending_jobs_workspace_oldest_idx (NULL: none, so no demand:
 # every job is gone or past its deadline, the workspace is not listed, and the row is a
 # candidate for `prune_demand`). $1 the workspaces to consider (NULL: all), $2 the limit, $3 the
-# provisioner whose eligibility applies (NULL: none).
+# provisioner whose eligibility applies (NULL: none), $4 workspaces listed whatever their age
+# (those whose demand changed since the walk last visited them), in the same order as the rest.
 _WALK_LIST = f"""
 WITH probed AS MATERIALIZED (
     SELECT d.workspace_id, o.oldest
@@ -310,14 +311,18 @@ WITH probed AS MATERIALIZED (
        AND (e.provisioner_id IS NULL
             OR (e.mode = 'allow') = (d.workspace_id = ANY(e.workspace_ids)))
 ), listed AS (
-    SELECT workspace_id, oldest FROM probed WHERE oldest IS NOT NULL
-     ORDER BY oldest, workspace_id LIMIT $2
+    (SELECT workspace_id, oldest FROM probed WHERE oldest IS NOT NULL
+      ORDER BY oldest, workspace_id LIMIT $2)
+    UNION
+    SELECT workspace_id, oldest FROM probed
+     WHERE oldest IS NOT NULL AND workspace_id = ANY($4::uuid[])
 )
 SELECT l.workspace_id, l.oldest,
        ({_FINGERPRINT.format(workspace="l.workspace_id")}) AS reserved
   FROM listed l
 UNION ALL
 SELECT w.workspace_id, NULL, NULL FROM probed w WHERE w.oldest IS NULL
+ ORDER BY oldest NULLS LAST, workspace_id
 """  # noqa: S608 -- interpolates a constant only: _FINGERPRINT
 
 
@@ -327,10 +332,13 @@ async def walk_list(
     *,
     provisioner_id: UUID | None = None,
     limit: int = 1000,
+    changed: Collection[UUID] = (),
 ) -> tuple[list[WalkEntry], list[UUID]]:
     """The workspaces with pending jobs that could start (their workspace not paused, their
-    queue deadline not passed), oldest demand first (then id), at most `limit` (one walk serves
-    the oldest; the rest wait for a later round); `eligible` None is all. With
+    queue deadline not passed), oldest demand first (then id): the `limit` oldest (one walk
+    serves the oldest; the rest wait for a later round), and with them, whatever their age, those
+    of `changed` (the walk's memory of workspaces notified since it last visited them, so new
+    demand in a young workspace is walked the round it arrives); `eligible` None is all. With
     `provisioner_id`, only those its eligibility admits (store/eligibility.py; no row: all),
     read in this same statement, so every walk sees the eligibility as it stands and the limit
     counts admitted workspaces only. The condition is `Eligibility.admits` in SQL.
@@ -345,7 +353,11 @@ async def walk_list(
     result is the one the GROUP BY over pending_jobs gave (tests/store/test_workspace_demand.py
     compares them after random operations). Takes no lock."""
     rows = await conn.fetch(
-        _WALK_LIST, None if eligible is None else list(eligible), limit, provisioner_id
+        _WALK_LIST,
+        None if eligible is None else list(eligible),
+        limit,
+        provisioner_id,
+        list(changed),
     )
     entries = [
         WalkEntry(r["workspace_id"], int(r["reserved"])) for r in rows if r["oldest"] is not None

@@ -8,9 +8,9 @@ that row) waits for a write already holding it, which therefore commits under th
 that checked it or not at all. The store functions called inside take their own locks after
 it, in the global order of store/reservations.py; their docstrings name them.
 
-Reads that change nothing (the workspaces with demand, outstanding grants, warm-pool
-candidates) and the release of undelivered grants run unfenced, as a cleanup must also work
-for a session that has just been superseded.
+Reads that change nothing (the workspaces with demand and their figures, outstanding grants,
+warm-pool candidates) and the release of undelivered grants run unfenced, as a cleanup must
+also work for a session that has just been superseded.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from controlplane.store import (
     reservations,
     runner_instances,
     runner_reports,
+    walk_figures,
 )
 from controlplane.store.lifecycle import Assigned
 from controlplane.store.pool import Conn, Pool
@@ -114,14 +115,32 @@ class SessionStore:
         async with self.pool.acquire() as conn:
             return await demand.demand_workspaces(conn, provisioner_id=self.provisioner.id)
 
-    async def walk_workspaces(self) -> list[WalkEntry]:
-        """`demand_workspaces` with each workspace's reservation fingerprint, for a walk that
-        skips what did not change (actors/provisioning/changes.py); prunes the summary rows of
-        workspaces left without pending jobs, in a transaction of its own."""
+    async def walk_workspaces(self, changed: Collection[UUID] = ()) -> list[WalkEntry]:
+        """`demand_workspaces`, with `changed` listed whatever their age, and each workspace's
+        reservation fingerprint, for a walk that skips what did not change
+        (actors/provisioning/changes.py); prunes the summary rows of workspaces left without
+        pending jobs, in a transaction of its own."""
         async with self.pool.acquire() as conn:
-            entries, empty = await demand.walk_list(conn, provisioner_id=self.provisioner.id)
+            entries, empty = await demand.walk_list(
+                conn, provisioner_id=self.provisioner.id, changed=changed
+            )
             await demand.prune_demand(conn, empty)
         return entries
+
+    async def walk_figures(
+        self, workspace_ids: Sequence[UUID], terms: RoundTerms
+    ) -> list[WorkspaceRound]:
+        """The demand figures of workspaces a walk can give nothing (store/walk_figures.py)."""
+        async with self.pool.acquire() as conn:
+            return await walk_figures.walk_figures(
+                conn,
+                provisioner_id=self.provisioner.id,
+                workspace_ids=workspace_ids,
+                templates=terms.templates,
+                launch_ttl=terms.launch_ttl,
+                activation_grace=terms.activation_grace,
+                covering_window=terms.covering_window,
+            )
 
     async def allocate_in_walk(
         self, workspace_id: UUID, terms: RoundTerms

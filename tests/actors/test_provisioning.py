@@ -116,8 +116,19 @@ class FakeStore:
     async def allocate_workspace(self, workspace_id: UUID, terms: RoundTerms) -> WorkspaceRound:
         return await self._allocate(workspace_id, terms)
 
-    async def walk_workspaces(self) -> list[WalkEntry]:
+    async def walk_workspaces(self, changed: Collection[UUID] = ()) -> list[WalkEntry]:
         return [WalkEntry(w, 0) for w, n in self.queued.items() if n]
+
+    async def walk_figures(
+        self, workspace_ids: Sequence[UUID], terms: RoundTerms
+    ) -> list[WorkspaceRound]:
+        figures = []
+        for w in workspace_ids:
+            queued, reserved = self.queued.get(w, 0), self.reserved.get(w, 0)
+            stats = (DemandStat(LINUX, queued, reserved, NOW),) if queued else ()
+            allocation = Allocation(stats, (), terms.templates, 0, 0)
+            figures.append(WorkspaceRound(w, allocation, (), bound=0, rebound=0))
+        return figures
 
     async def allocate_in_walk(
         self, workspace_id: UUID, terms: RoundTerms

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import datetime
@@ -56,9 +56,9 @@ class CountingStore(FakeStore):
         self._called("allocate_workspace")
         return await super().allocate_workspace(workspace_id, terms)
 
-    async def walk_workspaces(self) -> list[WalkEntry]:
+    async def walk_workspaces(self, changed: Collection[UUID] = ()) -> list[WalkEntry]:
         self._called("walk_workspaces")
-        return await super().walk_workspaces()
+        return await super().walk_workspaces(changed)
 
     async def outstanding_grants(self) -> list[tuple[Reservation, int]]:
         self._called("outstanding_grants")

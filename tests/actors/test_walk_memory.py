@@ -52,3 +52,22 @@ def test_only_covered_unchanged_workspaces_are_left_out_and_full_walks_come_back
     memory.walked(entries[0], walked(a, covered=True))
     assert memory.plan([entries[0]], now=66) == {a}
     assert memory.plan([entries[0]], now=67.5) == frozenset()  # a full walk every 60 s
+
+
+def test_a_notice_stays_until_its_workspace_is_walked_or_leaves_the_list() -> None:
+    a, b, c = (uuid.uuid4() for _ in range(3))
+    memory = WalkMemory(full_walk_seconds=60)
+    for workspace_id in (a, b, c):
+        memory.changed(workspace_id)
+    assert memory.marked() == {a, b, c}
+    memory.plan([WalkEntry(a, 1), WalkEntry(b, 2)], now=0)  # c has no demand left: dropped
+    memory.changed(b)  # noted while the round runs: its transaction may not have seen it
+    memory.walked(WalkEntry(a, 1), walked(a, covered=False))
+    memory.walked(WalkEntry(b, 2), walked(b, covered=False))
+    assert memory.marked() == {b}  # a was walked; b's later notice waits for the next round
+
+    memory.changed(a)
+    assert memory.marked() == {a, b}
+    memory.plan([WalkEntry(a, 1), WalkEntry(b, 2)], now=1)
+    memory.walked(WalkEntry(a, 1), None)  # busy: still to walk
+    assert memory.marked() == {a, b}  # b was not reached (nothing left to give it)

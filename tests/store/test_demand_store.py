@@ -658,9 +658,9 @@ class WalkStore(SessionStore):
         self.abort_at = abort_at
         self.asked = 0
 
-    async def walk_workspaces(self) -> list[WalkEntry]:
+    async def walk_workspaces(self, changed: Collection[UUID] = ()) -> list[WalkEntry]:
         async with self.pool.acquire() as conn:
-            entries, _ = await demand.walk_list(conn, self.eligible)
+            entries, _ = await demand.walk_list(conn, self.eligible, changed=changed)
             return entries
 
     async def allocate_in_walk(
