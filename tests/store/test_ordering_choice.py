@@ -76,11 +76,21 @@ async def test_q27_the_plain_claim_keeps_a_generic_plan(conn: Conn, workspace: U
     runner = await manual_session(conn, workspace)
     for _ in range(8):
         assert await claiming.claim(conn, runner) is not None
+    assert await _plans(conn, claiming._CLAIM[False]) == (3, 5)
+    ids = [runner.runner_session_id]
+    for _ in range(8):
+        assert await claiming.claim_batch(conn, workspace, runner.labels, ids) != {}
+    assert await _plans(conn, claiming._CLAIM_BATCH[False]) == (3, 5)
+
+
+async def _plans(conn: Conn, statement: str) -> tuple[int, int]:
+    """How often this connection's prepared `statement` ran a generic and a custom plan."""
     plans = await conn.fetchrow(
         "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
-        claiming._CLAIM[False],
+        statement,
     )
-    assert plans is not None and tuple(plans) == (3, 5)
+    assert plans is not None
+    return plans["generic_plans"], plans["custom_plans"]
 
 
 async def _busy_and_quiet(conn: Conn, workspace: UUID) -> tuple[list[NewJob], NewJob]:
