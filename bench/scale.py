@@ -13,12 +13,14 @@ load, and throughput as replicas are added.
   VACUUM ANALYZE). Every timed claim is followed by an untimed `queue.enqueue` of one new job,
   so the queue keeps its depth. One connection, then 8 at once. The ratio of the deepest to the
   shallowest queue is the figure (target: within 1.5x).
-* ordering: `claiming.claim` as in `pending`, at one depth (1,000,000 by default) in two fresh
-  databases of the same run: plain FIFO (every priority 0, no key) and with the ordering
-  policies on (the rows spread over 1,000 projects, 5 priorities and 10,000 concurrency keys of
-  limit 2). Every timed claim is followed by an untimed completion of its lease (freeing its
-  key's slot) and an enqueue of one job of the same shape, so depth and key counts hold. The
-  ratio of policies to plain is the figure (target: within 1.5x).
+* ordering: `claiming.claim` as in `pending`, at one depth (1,000,000 by default) in three fresh
+  databases of the same run: plain FIFO (every priority 0, no key), with the ordering policies
+  on (the rows spread over 1,000 projects, 5 priorities and 10,000 concurrency keys of limit 2),
+  and the same with every workspace set to `fair` (each of the 10 workspaces then has 100 of the
+  projects, round-robin). Every timed claim is followed by an untimed completion of its lease
+  (freeing its key's slot) and an enqueue of one job of the same shape, so depth and key counts
+  hold. Each connection claims with its own `KnownOrderings`, as a replica does. The ratios of
+  policies and of fair to plain are the figures (target: within 1.5x).
 * reaper: one replica with its maintenance at the configured defaults; HTTP runners run the
   whole lifecycle (bench/throughput.py) from a queue kept topped up; then S leases that went
   stale an hour ago are inserted in one transaction. Time until the reaper has expired all of
@@ -53,7 +55,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from bench import harness, throughput
 from controlplane.domain.jobs import ClaimedJob, NewJob, Outcome, SessionClaims
 from controlplane.settings import Maintenance
-from controlplane.store import claiming, credentials, leases, queue, sessions
+from controlplane.store import claiming, credentials, leases, ordering, queue, sessions
 
 PARTS = ("parked", "pending", "ordering", "reaper", "replicas")
 PARKED = 10_000
@@ -289,11 +291,12 @@ async def _timed_claims(
 
     async def worker(offset: int) -> None:
         conn = await asyncpg.connect(url)
+        orderings = ordering.KnownOrderings()  # one per connection, as one per replica
         try:
             for index in range(offset, total, connections):
                 session = claimers[index % len(claimers)]
                 start = time.perf_counter()
-                claimed = await claiming.claim(conn, session)
+                claimed = await claiming.claim(conn, session, orderings=orderings)
                 latencies.append(time.perf_counter() - start)
                 if claimed is None:
                     raise RuntimeError("the queue ran dry")
@@ -370,9 +373,13 @@ async def _fill_ordered(
     projects: list[uuid.UUID],
     rows: int,
     policies: bool,
+    fair: bool = False,
 ) -> None:
     """`rows` pending jobs round-robin over `workspaces` and `projects`; with `policies`, also
-    over PRIORITIES priorities and KEYS keys of limit KEY_LIMIT (with their count rows)."""
+    over PRIORITIES priorities and KEYS keys of limit KEY_LIMIT (with their count rows); with
+    `fair`, every workspace set to fair ordering."""
+    for workspace in workspaces if fair else ():
+        await ordering.set_workspace_ordering(conn, workspace, ordering.Ordering.FAIR)
     await conn.execute(
         """
         INSERT INTO pending_jobs (workspace_id, workflow_run_id, workflow_run_attempt_id, job_id,
@@ -443,14 +450,19 @@ async def ordering_latency(server: str, depth: int, samples: int) -> dict[str, A
         "key_limit": KEY_LIMIT,
         "variants": {},
     }
-    for name, policies in (("plain_fifo", False), ("priority_and_keys", True)):
+    variants = (
+        ("plain_fifo", False, False),
+        ("priority_and_keys", True, False),
+        ("fair_priority_and_keys", True, True),
+    )
+    for name, policies, fair in variants:
         url = await harness.fresh_database(server)
         conn = await asyncpg.connect(url)
         try:
             workspaces = [uuid.uuid4() for _ in range(WORKSPACES)]
             projects = [uuid.uuid4() for _ in range(PROJECTS)]
             started = time.monotonic()
-            await _fill_ordered(conn, workspaces, projects, depth, policies)
+            await _fill_ordered(conn, workspaces, projects, depth, policies, fair)
             filled_s = time.monotonic() - started
             after = _complete_and_refill(projects, policies)
             one, many = await _latencies(url, await _claimers(conn, workspaces), samples, after)
@@ -469,7 +481,9 @@ async def ordering_latency(server: str, depth: int, samples: int) -> dict[str, A
         )
     plain, ordered = found["variants"]["plain_fifo"], found["variants"]["priority_and_keys"]
     found["ratio_policies_to_plain"] = _ratios(ordered, plain)
+    found["ratio_fair_to_plain"] = _ratios(found["variants"]["fair_priority_and_keys"], plain)
     print(f"policies / plain: {found['ratio_policies_to_plain']}")
+    print(f"fair / plain: {found['ratio_fair_to_plain']}")
     return found
 
 

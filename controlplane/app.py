@@ -58,6 +58,7 @@ from controlplane.store.embedded import EmbeddedPostgres
 from controlplane.store.events import EVENTS_CHANNEL
 from controlplane.store.leases import CANCEL_CHANNEL
 from controlplane.store.locks import LeaderLock
+from controlplane.store.ordering import KnownOrderings
 from controlplane.store.pauses import PAUSED_CHANNEL
 from controlplane.store.pool import PoolSettings, borrow, connect, create_pool
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
@@ -72,21 +73,30 @@ log = logging.getLogger("controlplane.app")
 
 
 class PoolClaims:
-    """The dispatcher's view of the store: claim and put back, each on a pooled connection."""
+    """The dispatcher's view of the store: claim and put back, each on a pooled connection.
+    `orderings`: the replica's belief of each workspace's ordering, shared with the HTTP claim
+    (store/ordering.py `KnownOrderings`)."""
 
-    def __init__(self, pool: asyncpg.Pool, throttle: timedelta) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, throttle: timedelta, orderings: KnownOrderings | None = None
+    ) -> None:
         self._pool = pool
         self._throttle = throttle
+        self._orderings = KnownOrderings() if orderings is None else orderings
 
     async def claim(self, session: SessionClaims) -> ClaimedJob | None:
         async with borrow(self._pool) as conn:
-            return await claiming.claim(conn, session, liveness_throttle=self._throttle)
+            return await claiming.claim(
+                conn, session, liveness_throttle=self._throttle, orderings=self._orderings
+            )
 
     async def claim_batch(
         self, workspace_id: UUID, labels: LabelSet, runner_session_ids: list[UUID]
     ) -> dict[UUID, ClaimedJob]:
         async with borrow(self._pool) as conn:
-            return await claiming.claim_batch(conn, workspace_id, labels, runner_session_ids)
+            return await claiming.claim_batch(
+                conn, workspace_id, labels, runner_session_ids, self._orderings
+            )
 
     async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None:
         async with borrow(self._pool) as conn:
@@ -324,8 +334,9 @@ class Daemon:
         settings = self.settings
         runners = settings.runners
         throttle = timedelta(seconds=runners.liveness_throttle_seconds)
+        orderings = KnownOrderings()  # one belief per replica, for every claim path
         dispatcher = Dispatcher(
-            PoolClaims(pool, throttle),
+            PoolClaims(pool, throttle, orderings),
             tick_seconds=settings.maintenance.dispatch_safety_tick_seconds,
             idle_seconds=settings.maintenance.dispatch_actor_idle_seconds,
             # Parked runners are stamped every three throttle windows (30 s by default): well
@@ -403,6 +414,7 @@ class Daemon:
             closing=anyio.Event(),
             pulse=pulse,
             history=history,
+            orderings=orderings,
         )
         self.replica = replica
         maintain = settings.maintenance

@@ -23,6 +23,7 @@ from controlplane.domain.labels import LabelSet
 from controlplane.errors import RunnerSessionExhausted
 from controlplane.metrics import claims_key_full
 from controlplane.store import activations, ordering
+from controlplane.store.ordering import KnownOrderings
 from controlplane.store.pool import Conn
 from controlplane.store.records import (
     IDENTITY_COLUMNS,
@@ -98,9 +99,12 @@ async def claim(
     session: SessionClaims,
     *,
     liveness_throttle: timedelta = timedelta(seconds=10),
+    orderings: KnownOrderings | None = None,
 ) -> ClaimedJob | None:
     """Claim the first claimable pending execution for `session` in its workspace's order
-    (store/ordering.py: priority, then FIFO; or fair share), or return None.
+    (store/ordering.py: priority, then FIFO; or fair share), or return None. `orderings`: the
+    replica's belief of the workspace's ordering, which picks the statement and learns from it
+    (a claim without one believes plain and learns for itself only).
 
     Locks, in order: for a provisioned runner's session not yet claimed with, the assignment
     locks of its reservations (see `activations.lock_first_claim`); the session row FOR
@@ -123,7 +127,7 @@ async def claim(
         return None
     if session.max_claims is None:
         # Uncapped: each attempt is one autocommitted statement, one round trip.
-        return await _claim_attempts(conn, session, liveness_throttle, None, None)
+        return await _claim_attempts(conn, session, liveness_throttle, orderings, None, None)
     async with conn.transaction():
         # A provisioned runner's first claim releases its reservation unit: its assignment locks
         # come first, before the session row, as in every transaction that takes both (the
@@ -154,7 +158,12 @@ async def claim(
         if not exhausted:
             assert row is not None
             claimed = await _claim_attempts(
-                conn, session, liveness_throttle, row["provisioner_id"], row["provider_runner_id"]
+                conn,
+                session,
+                liveness_throttle,
+                orderings,
+                row["provisioner_id"],
+                row["provider_runner_id"],
             )
             if claimed is not None and row["provisioner_id"] is not None:
                 # A provisioned runner's first claim gives its reservation unit back (4.14).
@@ -183,12 +192,16 @@ _LOGGED = f"""logged AS (
     RETURNING 1
 )"""  # noqa: S608 -- interpolates an enum value only (EventType.CLAIMED)
 
+
 # One claim attempt in one statement. $1 workspace, $2 session labels, $3 rows stepped over,
 # $4 session, $5/$6 provisioned link, $7 liveness throttle, $8 capped. The candidate and its
-# admission are store/ordering.py's (priority, concurrency keys, fair share).
-_CLAIM = f"""
+# admission are store/ordering.py's (priority, concurrency keys, fair share); the statement for a
+# workspace believed to order fairly (`fair`) carries the fair pick only, the other the plain pick
+# only, and each returns `fair`, the setting its pick's guard read (store/ordering.py).
+def _claim_statement(fair: bool) -> str:
+    return f"""
 WITH candidate AS MATERIALIZED (
-    {ordering.candidates("1", also=_SESSION_NOT_PAUSED)}
+    {ordering.candidates(fair, "1", also=_SESSION_NOT_PAUSED)}
 ), {ordering.ADMISSION}, taken AS (
     DELETE FROM pending_jobs WHERE id = (SELECT id FROM admitted)
     RETURNING id, {IDENTITY_COLUMNS}, required_labels, payload, created_at,
@@ -211,7 +224,7 @@ WITH candidate AS MATERIALIZED (
       AND (updated_at < now() - $7::interval OR ($8 AND EXISTS (SELECT 1 FROM leased)))
     RETURNING 1
 )
-SELECT c.id AS candidate, c.locked,
+SELECT {ordering.FAIR} AS fair, c.id AS candidate, c.locked,
        c.locked AND c.concurrency_key IS NOT NULL AND NOT EXISTS (SELECT 1 FROM taken) AS key_full,
        (SELECT count(*) FROM logged) AS logged,
        (SELECT count(*) FROM touched) AS touched, l.workspace_id, l.workflow_run_id,
@@ -221,17 +234,26 @@ FROM (SELECT 1) AS one LEFT JOIN candidate c ON true LEFT JOIN leased l ON true
 """  # noqa: S608 -- constants only: store/ordering.py's SQL, IDENTITY_COLUMNS, POLICY_COLUMNS, _LOGGED, the pause probe
 
 
+# By the workspace's ordering as the claim believes it: plain (False) or fair (True).
+_CLAIM = {fair: _claim_statement(fair) for fair in (False, True)}
+
+
 async def _claim_attempts(
     conn: Conn,
     session: SessionClaims,
     liveness_throttle: timedelta,
+    orderings: KnownOrderings | None,
     provisioner_id: UUID | None,
     provider_runner_id: str | None,
 ) -> ClaimedJob | None:
+    if orderings is None:
+        orderings = KnownOrderings()
+    fair = orderings.fair(session.workspace_id)
+    switched = False  # the other statement runs at most once per claim
     stepped_over: list[UUID] = []
     while len(stepped_over) <= MAX_BUSY_HEADS:
         row = await conn.fetchrow(
-            _CLAIM,
+            _CLAIM[fair],
             session.workspace_id,
             list(session.labels),
             stepped_over,
@@ -242,7 +264,12 @@ async def _claim_attempts(
             session.max_claims is not None,
         )
         assert row is not None
+        orderings.learn(session.workspace_id, row["fair"])
         if row["candidate"] is None:
+            if row["fair"] != fair and not switched:
+                # The belief was stale, so the guarded pick took nothing: the other statement.
+                fair, switched = row["fair"], True
+                continue
             return None
         if row["job_execution_id"] is None:
             # Busy (its execution lock is held), an orphan (deleted just now), or its key had no
@@ -264,20 +291,23 @@ async def _claim_attempts(
 # The most sessions one batch claim serves (bounds the statement and the locks it holds).
 MAX_BATCH = 100
 
+
 # Claims for several uncapped sessions with the same labels in one statement: the batch form of
 # _CLAIM, pairing the k-th admitted candidate (in the workspace's order) with the k-th session.
 # $1 workspace, $2 the sessions' labels, $3 rows stepped over, $4 the sessions in the order they
 # are served. Rows whose execution lock is busy are skipped (not taken), a keyed row beyond its
 # key's free slots is not admitted, and an orphan row is deleted without a lease; each leaves a
 # session of the batch unserved, and the caller tries again with those rows stepped over. No
-# liveness touch: the dispatcher stamps parked sessions in batches.
-_CLAIM_BATCH = f"""
+# liveness touch: the dispatcher stamps parked sessions in batches. One statement per ordering,
+# as _CLAIM; every row has `fair`, and one row with no candidate says the pick found nothing.
+def _claim_batch_statement(fair: bool) -> str:
+    return f"""
 WITH wanted AS (
     SELECT session_id, row_number() OVER (ORDER BY given) AS ord
     FROM unnest($4::uuid[]) WITH ORDINALITY AS t(session_id, given)
     WHERE NOT EXISTS (SELECT 1 FROM paused_runners WHERE runner_session_id = t.session_id)
 ), candidate AS MATERIALIZED (
-    {ordering.candidates("(SELECT count(*) FROM wanted)")}
+    {ordering.candidates(fair, "(SELECT count(*) FROM wanted)")}
 ), {ordering.ADMISSION}, taken AS (
     DELETE FROM pending_jobs AS p USING admitted c WHERE p.id = c.id
     RETURNING p.id, {qualified("p", IDENTITY_COLUMNS)},
@@ -294,18 +324,26 @@ WITH wanted AS (
     RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
               started_at
 ), {_LOGGED}
-SELECT c.id AS candidate, c.locked, t.id IS NOT NULL AS admitted, l.workspace_id,
+SELECT o.fair, c.id AS candidate, c.locked, t.id IS NOT NULL AS admitted, l.workspace_id,
        l.workflow_run_id, l.workflow_run_attempt_id,
        l.job_id, l.job_execution_id, l.project_id, l.runner_session_id, l.required_labels,
        l.payload::text AS payload, l.queued_at, l.started_at,
        (SELECT count(*) FROM logged) AS logged
-FROM candidate c LEFT JOIN taken t ON t.id = c.id
-     LEFT JOIN leased l ON l.job_execution_id = t.job_execution_id
+FROM (SELECT {ordering.FAIR} AS fair) AS o
+     LEFT JOIN (candidate c LEFT JOIN taken t ON t.id = c.id
+                LEFT JOIN leased l ON l.job_execution_id = t.job_execution_id) ON true
 """  # noqa: S608 -- interpolates module constants only (store/ordering.py, IDENTITY_COLUMNS, POLICY_COLUMNS, _LOGGED)
 
 
+_CLAIM_BATCH = {fair: _claim_batch_statement(fair) for fair in (False, True)}
+
+
 async def claim_batch(
-    conn: Conn, workspace_id: UUID, labels: LabelSet, session_ids: Sequence[UUID]
+    conn: Conn,
+    workspace_id: UUID,
+    labels: LabelSet,
+    session_ids: Sequence[UUID],
+    orderings: KnownOrderings | None = None,
 ) -> dict[UUID, ClaimedJob]:
     """Claim for several uncapped sessions of one workspace with the same `labels`: the first
     claimable rows in the workspace's order, the k-th to the k-th session. Returns the claims by
@@ -321,7 +359,7 @@ async def claim_batch(
     behind it. Each round is one autocommitted statement, so when a retry round fails the
     claims of the rounds before it (committed) are returned rather than lost to an exception.
     Capped and provisioned sessions must use `claim` (their cap and reservation unit are per
-    session).
+    session). `orderings` picks the statement and learns from it, as in `claim`.
     """
     waiting = list(session_ids)
     if len(waiting) > MAX_BATCH or len(set(waiting)) != len(waiting):
@@ -330,16 +368,28 @@ async def claim_batch(
         raise ValueError("claim_batch takes at most MAX_BATCH distinct sessions")
     if not labels:
         return {}
+    if orderings is None:
+        orderings = KnownOrderings()
+    fair = orderings.fair(workspace_id)
+    switched = False  # the other statement runs at most once per batch
     claimed: dict[UUID, ClaimedJob] = {}
     stepped_over: list[UUID] = []
     busy = 0  # rows stepped over because their lock was busy or they were orphans
     while waiting and busy <= MAX_BUSY_HEADS and len(stepped_over) <= MAX_STEPPED_OVER:
         try:
-            rows = await conn.fetch(_CLAIM_BATCH, workspace_id, list(labels), stepped_over, waiting)
+            found = await conn.fetch(
+                _CLAIM_BATCH[fair], workspace_id, list(labels), stepped_over, waiting
+            )
         except Exception:
             if claimed:
                 break  # earlier rounds committed: their claims must still reach their sessions
             raise
+        orderings.learn(workspace_id, found[0]["fair"])
+        rows = [row for row in found if row["candidate"] is not None]
+        if not rows and found[0]["fair"] != fair and not switched:
+            # The belief was stale, so the guarded pick took nothing: the other statement.
+            fair, switched = found[0]["fair"], True
+            continue
         for row in rows:
             if row["job_execution_id"] is None:
                 stepped_over.append(row["candidate"])

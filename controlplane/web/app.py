@@ -25,6 +25,7 @@ from controlplane.actors.provisioning import DemandBoard
 from controlplane.errors import ControlPlaneError
 from controlplane.settings import Settings
 from controlplane.store.credentials import KeyRing
+from controlplane.store.ordering import KnownOrderings
 from controlplane.web import (
     admin,
     control,
@@ -78,6 +79,7 @@ class Replica:
     closing: anyio.Event
     pulse: Pulse  # the operator pages' live updates (web/ui/)
     history: QueueHistory  # and their plots
+    orderings: KnownOrderings  # the claims' belief of each workspace's ordering
 
     def close(self) -> None:
         """Shutdown: release held heartbeats and event reads so they answer now."""
@@ -143,6 +145,7 @@ def _routes(replica: Replica | None) -> list[BaseRoute]:
                     r.feed,
                     r.closing,
                     r.settings.reserved_labels,
+                    r.orderings,
                 )
             )
         ),

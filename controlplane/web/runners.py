@@ -37,6 +37,7 @@ from controlplane.errors import (
 from controlplane.settings import Settings
 from controlplane.store import activations, claiming, executions, leases, lifecycle, sessions
 from controlplane.store import ephemeral as ephemeral_store
+from controlplane.store.ordering import KnownOrderings
 from controlplane.store.pool import borrow
 from controlplane.web import auth
 from controlplane.web.edge import hold, json_response, path_uuid, read_json, reject_duplicate_tools
@@ -72,6 +73,7 @@ class Deps:
     feed: FeedWatch
     closing: anyio.Event  # set at shutdown: a released heartbeat answers without a re-read
     reserved_labels: LabelSet
+    orderings: KnownOrderings  # which claim statement a workspace takes (store/ordering.py)
 
     @property
     def liveness_throttle(self) -> timedelta:
@@ -329,7 +331,9 @@ async def _request_job(svc: Deps, request: Request) -> Response:
         if svc.dispatcher.paused.holds(session.runner_session_id):
             return _paused(svc)
         async with borrow(svc.pool) as conn:
-            job = await claiming.claim(conn, session, liveness_throttle=svc.liveness_throttle)
+            job = await claiming.claim(
+                conn, session, liveness_throttle=svc.liveness_throttle, orderings=svc.orderings
+            )
         if job is None:
             return _nothing()
         svc.feed.poke()

@@ -378,13 +378,41 @@ async def test_q36_with_every_policy_off_the_claim_walks_the_priority_index(
     conn: Conn, workspace: UUID
 ) -> None:
     jobs = [new_job(workspace, queued_at=minutes_ago(3000 - i)) for i in range(3000)]
+    ran = [n for n in await claim_reads(conn, workspace, jobs) if n["Actual Loops"] > 0]
+    # The index walk stops at the first row; the only other read of pending_jobs is the
+    # delete's primary-key probe. The statement has no fair pick (test_ordering_choice.py).
+    assert [(n["Node Type"], n.get("Index Name"), n["Actual Rows"]) for n in ran] == [
+        ("Index Scan", "pending_jobs_workspace_priority_created_idx", 1),
+        ("Index Scan", "pending_jobs_pkey", 1),
+    ]
+    assert await pending_ids(conn, workspace) == [ex(j) for j in jobs[1:]]
+
+
+async def claim_reads(
+    conn: Conn, workspace: UUID, jobs: list[NewJob], *, fair: bool = False
+) -> list[dict[str, Any]]:
+    """Enqueue `jobs`, analyse, and EXPLAIN ANALYZE one claim of a new session by the statement
+    of the workspace's ordering (`fair`): the plan's nodes that read pending_jobs (the delete
+    itself left out)."""
     for start in range(0, len(jobs), 500):
         await enqueue(conn, *jobs[start : start + 500])
     await conn.execute("ANALYZE pending_jobs")
     runner = await manual_session(conn, workspace)
     plan = await conn.fetchval(
-        "EXPLAIN (ANALYZE, FORMAT JSON) " + claiming._CLAIM,
-        workspace,
+        "EXPLAIN (ANALYZE, FORMAT JSON) " + claiming._CLAIM[fair], *claim_args(runner)
+    )
+    return [
+        n
+        for n in _walk(json.loads(plan)[0]["Plan"])
+        if n.get("Relation Name") == "pending_jobs" and n["Node Type"] != "ModifyTable"
+    ]
+
+
+def claim_args(runner: SessionClaims) -> tuple[object, ...]:
+    """The parameters of one uncapped claim statement (store/claiming.py `_CLAIM`) by `runner`,
+    with nothing stepped over."""
+    return (
+        runner.workspace_id,
         list(runner.labels),
         [],
         runner.runner_session_id,
@@ -393,21 +421,6 @@ async def test_q36_with_every_policy_off_the_claim_walks_the_priority_index(
         timedelta(seconds=10),
         False,
     )
-    nodes = list(_walk(json.loads(plan)[0]["Plan"]))
-    ran = [
-        n
-        for n in nodes
-        if n.get("Relation Name") == "pending_jobs"
-        and n["Node Type"] != "ModifyTable"
-        and n["Actual Loops"] > 0
-    ]
-    # The index walk stops at the first row; the only other read of pending_jobs is the
-    # delete's primary-key probe. The fair pick (a read of the whole workspace) never ran.
-    assert [(n["Node Type"], n.get("Index Name"), n["Actual Rows"]) for n in ran] == [
-        ("Index Scan", "pending_jobs_workspace_priority_created_idx", 1),
-        ("Index Scan", "pending_jobs_pkey", 1),
-    ]
-    assert await pending_ids(conn, workspace) == [ex(j) for j in jobs[1:]]
 
 
 def _walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -201,3 +201,27 @@ async def test_q33_the_admin_sets_a_workspace_to_fair_and_the_feed_records_it(
         f"/v1/admin/workspaces/{uuid.uuid4()}/settings", json={"ordering": "fifo"}, headers=headers
     )
     assert other.json()["changed"] is False  # fifo is every workspace's default
+
+
+async def test_q28_a_replica_serves_a_changed_ordering_from_its_next_poll(api: Api) -> None:
+    # The replica's claims have seen the workspace plain; the setting then changes. Its next
+    # immediate poll (a claim of its own) and its next parked one (the dispatcher's batch) each
+    # serve in the new order.
+    busy, quiet = str(uuid.uuid4()), str(uuid.uuid4())
+    busy_jobs = [api.job(queued_at=ago(60 - i), project_id=busy) for i in range(3)]
+    quiet_job = api.job(queued_at=ago(1), project_id=quiet)
+    assert (await api.enqueue(*busy_jobs, quiet_job)).status_code == 200
+    session = await api.register()
+    first = await poll(api, session)
+    assert first is not None and first["job_execution_id"] == busy_jobs[0]["job_execution_id"]
+    path = f"/v1/admin/workspaces/{api.workspace}/settings"
+    headers = api.auth(api.admin_key)
+    assert (await api.http.put(path, json={"ordering": "fair"}, headers=headers)).json()["changed"]
+    fair = await poll(api, await api.register())
+    assert fair is not None and fair["job_execution_id"] == quiet_job["job_execution_id"]
+    assert (await api.http.put(path, json={"ordering": "fifo"}, headers=headers)).json()["changed"]
+    replica = api.daemon.replica
+    assert replica is not None and replica.orderings.fair(api.workspace)  # stale now
+    parked = await poll(api, await api.register(), wait=5)
+    assert parked is not None and parked["job_execution_id"] == busy_jobs[1]["job_execution_id"]
+    assert not replica.orderings.fair(api.workspace)
