@@ -18,8 +18,8 @@ import contextlib
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable, Sequence
-from datetime import datetime, timedelta
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
 from pathlib import Path
 from uuid import UUID
 
@@ -29,7 +29,7 @@ import asyncpg
 from controlplane import metrics
 from controlplane.actors.assignments import AssignmentBoard
 from controlplane.actors.cancels import CancelBoard
-from controlplane.actors.control import ControlSessions, LastSeen
+from controlplane.actors.control import ControlSessions, LastSeen, PoolSeen
 from controlplane.actors.dispatch import Dispatcher
 from controlplane.actors.feed import FeedWatch
 from controlplane.actors.listener import Listener
@@ -40,16 +40,14 @@ from controlplane.actors.maintenance.reaper import LeaseReaper, PoolReaperStore
 from controlplane.actors.maintenance.retention import PoolRetentionStore, Retention
 from controlplane.actors.maintenance.sessions import PoolSessionStore, SessionCleanup
 from controlplane.actors.provisioning import DemandBoard, DemandSweep
+from controlplane.actors.provisioning.sweep import PoolSweep
 from controlplane.domain import pauses
 from controlplane.domain.jobs import ClaimedJob, SessionClaims, StaleRule
 from controlplane.domain.labels import LabelSet, canonicalise
-from controlplane.domain.provisioners import Fence
 from controlplane.settings import Settings
 from controlplane.store import (
     claiming,
-    demand_sweep,
     migrations,
-    provisioner_sessions,
     queue,
     reservations,
 )
@@ -107,51 +105,6 @@ class PoolClaims:
             done = await queue.put_back(conn, job_execution_id, runner_session_id)
         metrics.put_backs.inc()
         return done
-
-
-class PoolSweep:
-    """The demand sweep's view of the store: one statement on a pooled connection."""
-
-    def __init__(
-        self,
-        pool: asyncpg.Pool,
-        activation_timeout: timedelta,
-        covering_window: timedelta,
-        pending_cap: int,
-    ) -> None:
-        self._pool = pool
-        self._timeout = activation_timeout
-        self._window = covering_window
-        self._cap = pending_cap
-
-    async def figures(
-        self, sessions: Sequence[demand_sweep.SweptSession], since: datetime | None
-    ) -> demand_sweep.Read:
-        async with borrow(self._pool) as conn:
-            return await demand_sweep.sweep_figures(
-                conn,
-                sessions,
-                since=since,
-                activation_timeout=self._timeout,
-                covering_window=self._window,
-                pending_cap=self._cap,
-            )
-
-
-class PoolSeen:
-    """`LastSeen`'s view of the store: the batch stamp, and one session's fence alone."""
-
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self._pool = pool
-
-    async def stamp(self, sessions: Sequence[tuple[UUID, int]]) -> set[tuple[UUID, int]]:
-        async with borrow(self._pool) as conn:
-            return await provisioner_sessions.stamp_seen(conn, sessions)
-
-    async def current(self, provisioner_id: UUID, generation: int) -> bool:
-        async with borrow(self._pool) as conn:
-            verdict = await provisioner_sessions.fence(conn, provisioner_id, generation)
-        return verdict is Fence.CURRENT
 
 
 def pool_settings(settings: Settings, url: str) -> PoolSettings:

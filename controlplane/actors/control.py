@@ -30,6 +30,11 @@ from uuid import UUID
 
 import anyio
 import anyio.abc
+import asyncpg
+
+from controlplane.domain.provisioners import Fence
+from controlplane.store import provisioner_sessions
+from controlplane.store.pool import borrow
 
 log = logging.getLogger("controlplane.control")
 
@@ -150,3 +155,19 @@ class LastSeen:
             )
             session.supersede()
         return lost
+
+
+class PoolSeen:
+    """`LastSeen`'s view of the store: the batch stamp, and one session's fence alone."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def stamp(self, sessions: Sequence[tuple[UUID, int]]) -> set[tuple[UUID, int]]:
+        async with borrow(self._pool) as conn:
+            return await provisioner_sessions.stamp_seen(conn, sessions)
+
+    async def current(self, provisioner_id: UUID, generation: int) -> bool:
+        async with borrow(self._pool) as conn:
+            verdict = await provisioner_sessions.fence(conn, provisioner_id, generation)
+        return verdict is Fence.CURRENT

@@ -64,8 +64,9 @@ from datetime import datetime, timedelta
 from uuid import UUID
 
 from controlplane.domain.binding import BindTarget, Scope, is_idle, select_idle_runners
-from controlplane.domain.labels import LabelSet, matches
+from controlplane.domain.labels import LabelSet, canonicalise, matches, strip_reserved
 from controlplane.domain.runner_instances import LaunchKind, ProvisionedRunner, RunnerState
+from controlplane.errors import InvalidInput
 
 
 class ReservationKind(enum.StrEnum):
@@ -431,3 +432,22 @@ def walk_share(capacity: int, workspaces_left: int) -> int:
     if workspaces_left <= 0 or capacity <= 0:
         return 0
     return -(-capacity // workspaces_left)
+
+
+def advertised_templates(
+    scope: str, ads: Sequence[Template], reserved_labels: LabelSet
+) -> tuple[Template, ...]:
+    """Canonical templates of an advertisement; `scope` is the provisioner's (`workspace` or
+    `installation`). A workspace provisioner's reserved labels are stripped (spec 3.1);
+    a template left with no label is dropped. Template keys must be unique."""
+    keys = [ad.key for ad in ads]
+    if len(set(keys)) != len(keys):
+        raise InvalidInput("template_key must be unique within an advertisement")
+    templates = []
+    for ad in ads:
+        labels = canonicalise(ad.labels)
+        if scope == "workspace":
+            labels = strip_reserved(labels, reserved_labels)
+        if labels:
+            templates.append(replace(ad, labels=labels))
+    return tuple(templates)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from uuid import UUID
 
@@ -59,11 +59,12 @@ from controlplane.domain.demand import (
     ReservationKind,
     Template,
     WarmLaunch,
+    advertised_templates,
     reservation_ttl,
     warm_pool_launches,
 )
 from controlplane.domain.divergence import divergences
-from controlplane.domain.labels import LabelSet, canonicalise, strip_reserved
+from controlplane.domain.labels import LabelSet
 from controlplane.domain.provisioners import Provisioner
 from controlplane.domain.reports import ReconcileOutcome, ReportOutcome, RunnerEvent
 from controlplane.domain.rounds import Grant
@@ -115,24 +116,6 @@ class DemandPush:
 
 
 Send = Callable[[DemandPush], Awaitable[None]]
-
-
-def advertised_templates(
-    provisioner: Provisioner, ads: Sequence[Template], reserved_labels: LabelSet
-) -> tuple[Template, ...]:
-    """Canonical templates. A workspace provisioner's reserved labels are stripped (spec 3.1);
-    a template left with no label is dropped. Template keys must be unique."""
-    keys = [ad.key for ad in ads]
-    if len(set(keys)) != len(keys):
-        raise InvalidInput("template_key must be unique within an advertisement")
-    templates = []
-    for ad in ads:
-        labels = canonicalise(ad.labels)
-        if provisioner.scope == "workspace":
-            labels = strip_reserved(labels, reserved_labels)
-        if labels:
-            templates.append(replace(ad, labels=labels))
-    return tuple(templates)
 
 
 class ProvisionerActor:
@@ -208,7 +191,7 @@ class ProvisionerActor:
         self, ads: Sequence[Template], max_reservations: int, reservation_ttl_seconds: int | None
     ) -> int:
         """Store the templates and run a round; the number of templates kept."""
-        templates = advertised_templates(self.provisioner, ads, self.limits.reserved_labels)
+        templates = advertised_templates(self.provisioner.scope, ads, self.limits.reserved_labels)
         await self.store.replace_templates(templates)
         ttl = reservation_ttl(
             reservation_ttl_seconds,

@@ -30,16 +30,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Protocol
 
 import anyio
 import anyio.abc
+import asyncpg
 
 from controlplane import metrics
 from controlplane.actors.provisioning.actor import ProvisionerActor
 from controlplane.actors.provisioning.board import DemandBoard
+from controlplane.store import demand_sweep
 from controlplane.store.demand_sweep import Figures, Read, SweptSession
+from controlplane.store.pool import borrow
 
 log = logging.getLogger("controlplane.provisioning")
 
@@ -121,3 +124,32 @@ class DemandSweep:
                 woken += 1
         metrics.demand_sweep_woken.inc(woken)
         return woken
+
+
+class PoolSweep:
+    """The demand sweep's view of the store: one statement on a pooled connection."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        activation_timeout: timedelta,
+        covering_window: timedelta,
+        pending_cap: int,
+    ) -> None:
+        self._pool = pool
+        self._timeout = activation_timeout
+        self._window = covering_window
+        self._cap = pending_cap
+
+    async def figures(
+        self, sessions: Sequence[demand_sweep.SweptSession], since: datetime | None
+    ) -> demand_sweep.Read:
+        async with borrow(self._pool) as conn:
+            return await demand_sweep.sweep_figures(
+                conn,
+                sessions,
+                since=since,
+                activation_timeout=self._timeout,
+                covering_window=self._window,
+                pending_cap=self._cap,
+            )
