@@ -286,7 +286,7 @@ async def allocate_workspace(
 
 # A fingerprint of one workspace's live reservations (ids and counts; text, a numeric sum): equal
 # fingerprints, the same live reservations, for `WalkEntry` and a walk's `WorkspaceRound`.
-_FINGERPRINT = """SELECT coalesce(sum(hashtextextended(r.id::text || ':' || r.count, 0)), 0)::text
+FINGERPRINT = """SELECT coalesce(sum(hashtextextended(r.id::text || ':' || r.count, 0)), 0)::text
           FROM reservations r WHERE r.workspace_id = {workspace} AND r.expires_at > now()"""
 
 # The workspaces an installation walk lists, from `workspace_demand` (sql/0022): for each row of a
@@ -318,12 +318,12 @@ WITH probed AS MATERIALIZED (
      WHERE oldest IS NOT NULL AND workspace_id = ANY($4::uuid[])
 )
 SELECT l.workspace_id, l.oldest,
-       ({_FINGERPRINT.format(workspace="l.workspace_id")}) AS reserved
+       ({FINGERPRINT.format(workspace="l.workspace_id")}) AS reserved
   FROM listed l
 UNION ALL
 SELECT w.workspace_id, NULL, NULL FROM probed w WHERE w.oldest IS NULL
  ORDER BY oldest NULLS LAST, workspace_id
-"""  # noqa: S608 -- interpolates a constant only: _FINGERPRINT
+"""  # noqa: S608 -- interpolates a constant only: FINGERPRINT
 
 
 async def walk_list(
@@ -460,5 +460,5 @@ async def allocate_in_walk(
     )
     if result is None:
         return None
-    fingerprint = await conn.fetchval(_FINGERPRINT.format(workspace="$1"), workspace_id)
+    fingerprint = await conn.fetchval(FINGERPRINT.format(workspace="$1"), workspace_id)
     return replace(result, reservations=int(fingerprint))

@@ -80,16 +80,20 @@ async def replace_templates(
 
 # --- reading the allocation inputs -----------------------------------------------------------
 
-# The pending jobs of workspace $1 that could start now: every unkeyed one, and of each
+
+# The pending jobs of a workspace that could start now: every unkeyed one, and of each
 # concurrency key only the first `limit - running` in claim order (store/ordering.py); a full
 # key's waiting jobs are no demand for a provisioner, whatever it launched could not take them.
 # Nor is anything of a paused workspace, nor a job past its queue deadline that the leader has
 # not removed yet: no claim takes either (ordering.CLAIMABLE has the same two conditions).
-_CAN_START = """(expires_at IS NULL OR expires_at > now())
-       AND NOT EXISTS (SELECT 1 FROM paused_workspaces WHERE workspace_id = $1)"""
-_STARTABLE = f"""
+def startable(workspace: str) -> str:
+    """The pending rows (labels, enqueue time) of the workspace `workspace` (a SQL expression: a
+    parameter, or a column of an enclosing query) that could start now."""
+    can_start = f"""(expires_at IS NULL OR expires_at > now())
+       AND NOT EXISTS (SELECT 1 FROM paused_workspaces WHERE workspace_id = {workspace})"""  # noqa: S608 -- the caller's expression
+    return f"""
     SELECT required_labels, created_at FROM pending_jobs
-     WHERE workspace_id = $1 AND concurrency_key IS NULL AND {_CAN_START}
+     WHERE workspace_id = {workspace} AND concurrency_key IS NULL AND {can_start}
     UNION ALL
     SELECT required_labels, created_at FROM (
         SELECT p.required_labels, p.created_at, p.concurrency_limit - k.running AS room,
@@ -98,8 +102,12 @@ _STARTABLE = f"""
           FROM pending_jobs p
           JOIN concurrency_keys k
             ON k.workspace_id = p.workspace_id AND k.concurrency_key = p.concurrency_key
-         WHERE p.workspace_id = $1 AND p.concurrency_key IS NOT NULL AND {_CAN_START}) AS keyed
-     WHERE nth <= room"""  # noqa: S608 -- interpolates constants only: _CAN_START
+         WHERE p.workspace_id = {workspace} AND p.concurrency_key IS NOT NULL AND {can_start}
+       ) AS keyed
+     WHERE nth <= room"""  # noqa: S608 -- interpolates constants and the caller's expression
+
+
+_STARTABLE = startable("$1")
 
 
 async def startable_demand(conn: Conn, workspace_id: UUID) -> list[DemandGroup]:

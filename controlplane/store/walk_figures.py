@@ -32,11 +32,11 @@ from controlplane.domain.demand import (
 )
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.domain.rounds import WorkspaceRound
-from controlplane.store.demand import _FINGERPRINT
-from controlplane.store.demand_inputs import _STARTABLE
+from controlplane.store.demand import FINGERPRINT
+from controlplane.store.demand_inputs import startable
 from controlplane.store.pool import Conn
 
-# One statement for workspaces $1: their startable demand groups (the round's own `_STARTABLE`,
+# One statement for workspaces $1: their startable demand groups (the round's own `startable`,
 # its workspace the lateral's), their live reservations, the label sets their own active
 # workspace provisioners advertised within window $2 (NULL: none; `covering_labels`), the
 # fingerprint of their live reservations (`WalkEntry.reservations`), and the database's clock.
@@ -44,7 +44,7 @@ _FIGURES = f"""
 SELECT 'demand' AS what, w.workspace_id, d.required_labels AS labels, count(*)::int AS count,
        min(d.created_at) AS at, NULL::uuid AS id, NULL::uuid AS provisioner_id, NULL::text AS kind
   FROM unnest($1::uuid[]) AS w(workspace_id)
- CROSS JOIN LATERAL ({_STARTABLE.replace("$1", "w.workspace_id")}) AS d
+ CROSS JOIN LATERAL ({startable("w.workspace_id")}) AS d
  GROUP BY w.workspace_id, d.required_labels
 UNION ALL
 SELECT 'reservation', r.workspace_id, r.required_labels, r.count, r.expires_at, r.id,
@@ -62,11 +62,11 @@ SELECT DISTINCT 'covering', pt.workspace_id, pt.labels, NULL::int, NULL::timesta
    AND pt.advertised_at > now() - $2::interval
 UNION ALL
 SELECT 'fingerprint', w.workspace_id, NULL, NULL, NULL, NULL, NULL,
-       ({_FINGERPRINT.format(workspace="w.workspace_id")})
+       ({FINGERPRINT.format(workspace="w.workspace_id")})
   FROM unnest($1::uuid[]) AS w(workspace_id)
 UNION ALL
 SELECT 'now', NULL, NULL, NULL, now(), NULL, NULL, NULL
-"""  # noqa: S608 -- interpolates constants only: _STARTABLE, _FINGERPRINT
+"""  # noqa: S608 -- interpolates constants only: startable(), FINGERPRINT
 
 
 async def walk_figures(
