@@ -262,6 +262,27 @@ def check_code(before: Side, after: Side) -> None:
         raise RuntimeError("both sides run the same files")
 
 
+async def measure_rounds(
+    before: Side,
+    after: Side,
+    measurements: list[Measurement],
+    rounds: int,
+    tracks: dict[str, Track],
+) -> None:
+    """Take every measurement through one side and then the other, `rounds` times, the order
+    alternating round by round; each run is added to its figures' `tracks`."""
+    started = time.monotonic()
+    for index in range(rounds):
+        for measured in measurements:
+            for side in harness.alternated(index, (before, after)):
+                began = time.monotonic()
+                value, cpu_s = await side.measure(measured)
+                said = record(tracks, measured, side.name, value, cpu_s)
+                took = time.monotonic() - began
+                print(f"round {index + 1}/{rounds}, {said} ({took:.1f} s)")
+        print(f"round {index + 1} done, {time.monotonic() - started:.0f} s in")
+
+
 async def run(sizes: Sizes | None = None) -> dict[str, Any]:
     sizes = sizes or Sizes.from_env()
     harness.raise_fd_limit()  # up to 1,000 parked runners; the replicas and sides inherit it
@@ -275,15 +296,7 @@ async def run(sizes: Sizes | None = None) -> dict[str, Any]:
         ):
             check_code(before, after)
             code = {side.name: side.code for side in (before, after)}
-            for index in range(sizes.rounds):
-                for measured in measurements:
-                    for side in harness.alternated(index, (before, after)):
-                        began = time.monotonic()
-                        value, cpu_s = await side.measure(measured)
-                        said = record(tracks, measured, side.name, value, cpu_s)
-                        took = time.monotonic() - began
-                        print(f"round {index + 1}/{sizes.rounds}, {said} ({took:.1f} s)")
-                print(f"round {index + 1} done, {time.monotonic() - started:.0f} s in")
+            await measure_rounds(before, after, measurements, sizes.rounds, tracks)
     results: dict[str, Any] = {
         "baseline": name,
         "sizes": asdict(sizes),

@@ -64,12 +64,7 @@ async def run(
             compare.check_code(before, after)
             assert head_status(before.replicas[0].address, 20 * 1024) == 200, "baseline limits"
             assert head_status(after.replicas[0].address, 20 * 1024) == 431, "no head limit"
-            for index in range(rounds):
-                for measured in measurements:
-                    for side in harness.alternated(index, (before, after)):
-                        value, cpu_s = await side.measure(measured)
-                        said = compare.record(tracks, measured, side.name, value, cpu_s)
-                        print(f"round {index + 1}/{rounds}, {said}")
+            await compare.measure_rounds(before, after, measurements, rounds, tracks)
     for count, measured in zip(runner_counts, measurements, strict=True):
         rate = tracks[f"throughput: {measured.title}: jobs/s"].values.summary()
         cpu = tracks[f"throughput: {measured.title}: replica CPU us/job"].values.summary()
