@@ -31,7 +31,18 @@ estimated its generic plan twenty times dearer and was planned at every claim (0
 pick reads the labels and the stepped-over rows as one-time subqueries (`PLAIN_CLAIMABLE`), so
 every plan estimates them alike and the generic plan, the same index walk, is kept. (The statement
 carrying both picks kept its generic plan only because its fair arm's custom estimate was the
-larger.) The fair pick keeps the planner's view (`CLAIMABLE`): estimating a project's claimable
+larger.) That generic plan must be the walk whatever the statistics: it guesses the workspace's
+rows, and `<@` a one-time subquery matches 0.5% of them by the planner's default, so with many
+small workspaces (a guess of one or two rows) it expected the walk to read every row anyway, and
+reading them all through a bitmap scan and sorting them cost it a few percent less; an ANALYZE
+could flip the plan, and the sort then read the whole workspace at every claim (1,300 to 1,450
+rows a job at 3,000 pending; docs/benchmarks.md, "The SQL lifecycle's slow runs"). So the label
+test is wrapped in `coalesce(..., false)`, which the planner estimates at one row in two (labels
+are never NULL, so it decides the same), and sql/0028 has it guess a workspace at 1% of the
+pending rows; with both, stopping at the first claimable row costs a small fraction of the sort
+(tests/store/test_ordering_choice.py forces the statistics of such installations).
+
+The fair pick keeps the planner's view (`CLAIMABLE`): estimating a project's claimable
 rows at 0.5% it would sort each project's rows instead of walking its head (at 3,000 pending,
 2.0 against 0.33 ms), so a fair claim is planned each time.
 
@@ -101,9 +112,9 @@ CLAIMABLE = _CLAIMABLE.replace("LABELS", "$2::text[]").replace("STEPPED_OVER", "
 
 # As the plain pick reads it: the labels and the rows stepped over as one-time subqueries, so the
 # planner estimates them as it would in a generic plan and keeps one (module docstring).
-PLAIN_CLAIMABLE = _CLAIMABLE.replace("LABELS", "(SELECT $2::text[])").replace(
-    "STEPPED_OVER", "(SELECT $3::uuid[])::uuid[]"
-)
+PLAIN_CLAIMABLE = _CLAIMABLE.replace(
+    "required_labels <@ LABELS", "coalesce(required_labels <@ (SELECT $2::text[]), false)"
+).replace("STEPPED_OVER", "(SELECT $3::uuid[])::uuid[]")
 
 # The plain claim's order, walked on the index.
 PLAIN_ORDER = "priority DESC, created_at, id"
