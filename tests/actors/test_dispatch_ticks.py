@@ -25,7 +25,7 @@ TICK = 5.0
 
 class SlowStore(FakeStore):
     """Claims of any workspace (one waiter each: `claim`), each taking `delay[workspace]`
-    seconds; records the claims in flight."""
+    seconds, and failing then for a workspace in `failing`; records the claims in flight."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,6 +33,7 @@ class SlowStore(FakeStore):
         self.in_flight: set[UUID] = set()
         self.most_in_flight = 0
         self.claimed_in: list[UUID] = []
+        self.failing: set[UUID] = set()
 
     async def claim(self, session: SessionClaims) -> ClaimedJob | None:
         self.in_flight.add(session.workspace_id)
@@ -40,6 +41,8 @@ class SlowStore(FakeStore):
         self.claimed_in.append(session.workspace_id)
         try:
             await anyio.sleep(self.delay.get(session.workspace_id, 0.0))
+            if session.workspace_id in self.failing:
+                raise RuntimeError("the database went away mid claim")
             return await super().claim(session)
         finally:
             self.in_flight.discard(session.workspace_id)
@@ -144,3 +147,36 @@ def test_a_tick_is_never_longer_than_the_tick() -> None:
     waits = [next_tick(TICK) for _ in range(1000)]
     assert all(SPREAD * TICK <= wait <= TICK for wait in waits)
     assert max(waits) - min(waits) > 0.5  # spread, not one value
+
+
+async def test_no_turn_is_lost_to_a_runner_leaving_or_a_failing_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """B queues for the only turn and its runner goes away: B leaves the queue. A's tick claim
+    fails: its turn is returned all the same. Then C's tick runs in its turn, at once."""
+    monkeypatch.setattr(dispatch, "next_tick", lambda tick: tick)
+    store = SlowStore()
+    a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+
+    async def body(dispatcher: Dispatcher) -> None:
+        dispatcher.park(parked_in(a))
+        await anyio.sleep(0.5)
+        leaving = parked_in(b)
+        dispatcher.park(leaving)
+        await anyio.sleep(0.5)
+        store.delay[a] = 3.0
+        store.failing.add(a)
+        await anyio.sleep(4.7)  # 5.7: A ticked at 5.0 (a 3 s claim); B's tick at 5.5 queued
+        assert store.in_flight == {a}
+        assert leaving.abandon()  # B's runner disconnects while B waits for a turn
+        await anyio.sleep(2.5)  # 8.2: A's claim failed at 8.0, its waiter answered "unavailable"
+        assert store.in_flight == set()
+        assert dispatcher.parked == 0
+        staying = parked_in(c)
+        dispatcher.park(staying)
+        await anyio.sleep(0.5)
+        store.claimed_in.clear()
+        await anyio.sleep(5)  # C's tick at 13.7: its turn is free, so it claims at once
+        assert store.claimed_in == [c]
+
+    await _run(store, 1, body)
