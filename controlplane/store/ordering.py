@@ -105,6 +105,13 @@ PLAIN_CLAIMABLE = _CLAIMABLE.replace("LABELS", "(SELECT $2::text[])").replace(
     "STEPPED_OVER", "(SELECT $3::uuid[])::uuid[]"
 )
 
+# As the fair pick reads it: as the plain pick, and the labels' test inside coalesce, which the
+# planner estimates at half the rows rather than 0.5% (module docstring, "Plans").
+FAIR_CLAIMABLE = PLAIN_CLAIMABLE.replace(
+    "required_labels <@ (SELECT $2::text[])",
+    "coalesce(required_labels <@ (SELECT $2::text[]), false)",
+)
+
 # The plain claim's order, walked on the index.
 PLAIN_ORDER = "priority DESC, created_at, id"
 
@@ -121,21 +128,53 @@ def fifo_pick(limit: str, also: str) -> str:
           FOR UPDATE SKIP LOCKED"""  # noqa: S608 -- constants and the caller's constant limit
 
 
-def fair_pick(limit: str, also: str) -> str:
-    """The first `limit` claimable rows in fair order, not locked (the caller tries each row's
-    lock, so a row another claim holds is stepped over, not silently replaced), for a workspace
-    that orders fairly; `share` ranks them.
+# How many claimable rows beyond the claim's own the fair pick walks in plain order, looking for
+# the heads of projects with no lease, before it probes every project (module docstring).
+FAIR_WALK = 64
 
-    Each project's rows have shares running + 1, running + 2, ..., so the first `limit` rows
-    overall hold at most each project's first `limit` claimable rows: the pick finds the
-    projects with pending rows by a skip scan (`projects`, one probe of
-    `pending_jobs (workspace_id, project_id, priority DESC, created_at, id)` per project),
-    counts each project's leases (`running_jobs (workspace_id, project_id)`), walks the
-    project's first `limit` claimable rows on the index (`heads`), and ranks those. The result
-    is the full ranking's (tests/store/test_fair_pick.py compares the two row for row); its cost
-    grows with the projects and `limit`, not with the pending rows."""
-    return f"""SELECT {_PICK_COLUMNS}, share FROM (
-              WITH RECURSIVE projects (project_id) AS (
+
+def _leases(row: str) -> str:
+    """The leases of `row`'s project: a probe of `running_jobs (workspace_id, project_id)`."""
+    return f"""(SELECT count(*) FROM running_jobs r
+                 WHERE r.workspace_id = $1 AND r.project_id = {row}.project_id)"""  # noqa: S608
+
+
+def _walk(limit: str, also: str, bound: int) -> str:
+    """The first `bound` + `limit` claimable rows in plain order, on the plain claim's index."""
+    return f"""SELECT {_PICK_COLUMNS}, project_id FROM pending_jobs
+               WHERE {FAIR_CLAIMABLE} AND {FAIR}{also}
+               ORDER BY {PLAIN_ORDER}
+               LIMIT (SELECT {bound} + {limit})"""  # noqa: S608 -- constants and the caller's limit
+
+
+def _free_heads(limit: str, also: str, bound: int) -> str:
+    """The first `limit` heads (first claimable rows) of projects with no lease found on the
+    walk, in plain order, each of share 1. One row is taken lazily: the walk stops at the first
+    row of a project with no lease, which is that project's head (every row before it is of a
+    leased project). More rows need each project's first row on the walk (`nth`), so the walk
+    is read whole."""
+    if limit == "1":
+        return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share
+                   FROM ({_walk(limit, also, bound)}) AS w
+                   WHERE {_leases("w")} = 0
+                   ORDER BY {PLAIN_ORDER}
+                   LIMIT 1"""  # noqa: S608 -- constants
+    return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share FROM (
+                   SELECT *, row_number() OVER (PARTITION BY project_id ORDER BY {PLAIN_ORDER})
+                          AS nth
+                   FROM ({_walk(limit, also, bound)}) AS w) AS w
+               WHERE nth = 1 AND {_leases("w")} = 0
+               ORDER BY {PLAIN_ORDER}
+               LIMIT {limit}"""  # noqa: S608 -- constants and the caller's limit
+
+
+def _every_project(limit: str, also: str) -> str:
+    """The first `limit` rows of the full ranking found by probing every project with pending
+    rows: a skip scan of `pending_jobs (workspace_id, project_id, priority DESC, created_at,
+    id)` finds them, each one's leases are counted and its first `limit` claimable rows walked
+    on that index (sql/0024). Each project's rows have shares running + 1, running + 2, ..., so
+    the first `limit` rows overall hold at most each project's first `limit`."""
+    return f"""WITH RECURSIVE projects (project_id) AS (
                   (SELECT project_id FROM pending_jobs
                    WHERE workspace_id = $1 AND {FAIR}{also}
                    ORDER BY project_id LIMIT 1)
@@ -145,18 +184,37 @@ def fair_pick(limit: str, also: str) -> str:
                           ORDER BY n.project_id LIMIT 1)
                   FROM projects WHERE projects.project_id IS NOT NULL
               )
-              SELECT {qualified("heads", _PICK_COLUMNS)}, runs.running + heads.nth AS share
+              SELECT {qualified("heads", _PICK_COLUMNS)},
+                     {_leases("projects")} + row_number() OVER (
+                         PARTITION BY projects.project_id ORDER BY {PLAIN_ORDER}) AS share
               FROM projects
-              CROSS JOIN LATERAL (SELECT count(*) AS running FROM running_jobs r
-                                  WHERE r.workspace_id = $1
-                                    AND r.project_id = projects.project_id) AS runs
               CROSS JOIN LATERAL (
-                  SELECT {_PICK_COLUMNS}, row_number() OVER (ORDER BY {PLAIN_ORDER}) AS nth
+                  SELECT {_PICK_COLUMNS}
                   FROM pending_jobs
-                  WHERE {CLAIMABLE} AND project_id = projects.project_id
+                  WHERE {FAIR_CLAIMABLE} AND project_id = projects.project_id
                   ORDER BY {PLAIN_ORDER}
-                  LIMIT {limit}) AS heads
-              WHERE projects.project_id IS NOT NULL) AS ranked
+                  LIMIT (SELECT {limit})) AS heads
+              WHERE projects.project_id IS NOT NULL"""  # noqa: S608 -- constants
+
+
+def fair_pick(limit: str, also: str, bound: int = FAIR_WALK) -> str:
+    """The first `limit` claimable rows in fair order, not locked (the caller tries each row's
+    lock, so a row another claim holds is stepped over, not silently replaced), for a workspace
+    that orders fairly; `share` ranks them. Which of the three ways below decides is settled by
+    one-time filters, so only the ways needed run (module docstring, "The fair pick")."""
+    heads = "(SELECT count(*) FROM free)"
+    whole = f"(SELECT count(*) FROM walk) < {bound} + {limit}"  # noqa: S608
+    return f"""WITH free AS MATERIALIZED ({_free_heads(limit, also, bound)}),
+          walk AS MATERIALIZED ({_walk(limit, also, bound)})
+          SELECT {_PICK_COLUMNS}, share FROM (
+              SELECT {_PICK_COLUMNS}, share FROM free WHERE {heads} >= {limit}
+              UNION ALL
+              SELECT {_PICK_COLUMNS}, {_leases("walk")}
+                     + row_number() OVER (PARTITION BY project_id ORDER BY {PLAIN_ORDER})
+              FROM walk WHERE {heads} < {limit} AND {whole}
+              UNION ALL
+              SELECT * FROM ({_every_project(limit, also)}) AS probed
+              WHERE {heads} < {limit} AND NOT {whole}) AS ranked
           ORDER BY share, {PLAIN_ORDER}
           LIMIT {limit}"""  # noqa: S608 -- constants and the caller's constant limit
 
