@@ -6,9 +6,30 @@ walked on the index `pending_jobs (workspace_id, priority DESC, created_at, id)`
 priority 0 that walk is the one the old FIFO index gave. `fair`: a job's share is the running
 executions of its project plus its place among its project's claimable jobs (1 for the head), so
 the project with the fewest running goes first and the next of the same project is weighed as if
-its head already ran; ties by priority, then age. Fair walks each project's head on the index
-`pending_jobs (workspace_id, project_id, priority DESC, created_at, id)` (sql/0024) and counts its
-leases (`fair_pick`): a claim's cost grows with the workspace's projects, not its pending rows.
+its head already ran; ties by priority, then age.
+
+The fair pick (`fair_pick`). A row's fair key is (share, -priority, created_at, id); the rows of
+share 1 are exactly the heads (first claimable rows) of the projects with no lease. The plain
+walk, with the plain claim's filter and on its index, meets each project's head before the
+project's other rows, so the first `limit` rows of projects with no lease, one per project, in
+walk order, are the best `limit` rows of share 1: when there are that many, they are the pick
+(`_free_heads`). A single claim stops at the first such row, which is its project's head since
+every row before it is of a leased project: where the walk's first row has no lease on its
+project (the plain pick; no project can have a share below 1), the fair claim costs the plain
+walk and one probe of `running_jobs (workspace_id, project_id)`. The walk is bounded (FAIR_WALK
+rows beyond the claim's), so a leased project owning the front of the queue costs at most that
+many rows stepped over, never its backlog. When the heads found are too few: a walk that ended
+before its bound holds every claimable row, and ranking it (each row's share counted) is the full
+ranking; otherwise every project with pending rows is probed (`_every_project`: a skip scan of
+`pending_jobs (workspace_id, project_id, priority DESC, created_at, id)`, sql/0024, each one's
+leases counted and its first rows walked), which costs the workspace's projects. A batch takes
+its rows by the same three ways: the k-th row of a project has share running + k, so the first
+rows of the ranking are those found, in the same order (tests/store/test_fair_pick.py compares
+all three ways with the full ranking, row for row). One statement holds all three; one-time
+filters (InitPlans, evaluated when first read, `AND` stopping at the first false) run only the
+ways a claim needs. It is SQL built here rather than a plpgsql function (which would need a
+migration): it stays one statement of the claim, the tests call it with any walk bound, and its
+plans are the planner's like every other claim's.
 
 One statement per ordering. A claim runs the plain statement (`fifo_candidates`: the index walk
 alone) or the fair one (`fair_candidates`: the project-head walk alone), never one carrying both:
@@ -31,9 +52,13 @@ estimated its generic plan twenty times dearer and was planned at every claim (0
 pick reads the labels and the stepped-over rows as one-time subqueries (`PLAIN_CLAIMABLE`), so
 every plan estimates them alike and the generic plan, the same index walk, is kept. (The statement
 carrying both picks kept its generic plan only because its fair arm's custom estimate was the
-larger.) The fair pick keeps the planner's view (`CLAIMABLE`): estimating a project's claimable
-rows at 0.5% it would sort each project's rows instead of walking its head (at 3,000 pending,
-2.0 against 0.33 ms), so a fair claim is planned each time.
+larger.) The fair pick hides the same from the planner, so it keeps a generic plan too; but
+estimated at 0.5% of a project's rows, the claimable rows looked too few for a walk in index
+order to stop early, and the plans sorted every row of the workspace or of each project instead
+(a whole workspace's 10,000 rows for one claim). So the fair pick's labels test sits inside
+coalesce (`FAIR_CLAIMABLE`, estimated at half the rows) and its walks' bounds are one-time
+subqueries (a LIMIT of unknown value is planned as 10% of the rows): its plans walk the plain
+index and each project's head in order.
 
 Concurrency keys. A keyed job is claimable only while its key's `running` count
 (`concurrency_keys`, kept by triggers on `running_jobs`, sql/0012_ordering.sql) is below its
@@ -130,7 +155,7 @@ def fifo_pick(limit: str, also: str) -> str:
 
 # How many claimable rows beyond the claim's own the fair pick walks in plain order, looking for
 # the heads of projects with no lease, before it probes every project (module docstring).
-FAIR_WALK = 64
+FAIR_WALK = 16
 
 
 def _leases(row: str) -> str:
@@ -149,17 +174,20 @@ def _walk(limit: str, also: str, bound: int) -> str:
 
 def _free_heads(limit: str, also: str, bound: int) -> str:
     """The first `limit` heads (first claimable rows) of projects with no lease found on the
-    walk, in plain order, each of share 1. One row is taken lazily: the walk stops at the first
-    row of a project with no lease, which is that project's head (every row before it is of a
-    leased project). More rows need each project's first row on the walk (`nth`), so the walk
-    is read whole."""
+    walk, in plain order, each of share 1 and `head`. More than one needs each project's first
+    row on the walk (`nth`), so the walk is read whole. One is taken lazily: the walk stops at
+    the first row of a project with no lease, which is that project's head (every row before it
+    is of a leased project), or else at its last row, returned as no `head`: so no row at all
+    says the walk ended before its bound (it holds every claimable row)."""
     if limit == "1":
-        return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share
-                   FROM ({_walk(limit, also, bound)}) AS w
-                   WHERE {_leases("w")} = 0
+        return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share, running = 0 AS head FROM (
+                       SELECT *, row_number() OVER (ORDER BY {PLAIN_ORDER}) AS step,
+                              {_leases("w")} AS running
+                       FROM ({_walk(limit, also, bound)}) AS w) AS w
+                   WHERE running = 0 OR step = {bound} + 1
                    ORDER BY {PLAIN_ORDER}
                    LIMIT 1"""  # noqa: S608 -- constants
-    return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share FROM (
+    return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share, true AS head FROM (
                    SELECT *, row_number() OVER (PARTITION BY project_id ORDER BY {PLAIN_ORDER})
                           AS nth
                    FROM ({_walk(limit, also, bound)}) AS w) AS w
@@ -200,10 +228,14 @@ def _every_project(limit: str, also: str) -> str:
 def fair_pick(limit: str, also: str, bound: int = FAIR_WALK) -> str:
     """The first `limit` claimable rows in fair order, not locked (the caller tries each row's
     lock, so a row another claim holds is stepped over, not silently replaced), for a workspace
-    that orders fairly; `share` ranks them. Which of the three ways below decides is settled by
-    one-time filters, so only the ways needed run (module docstring, "The fair pick")."""
-    heads = "(SELECT count(*) FROM free)"
-    whole = f"(SELECT count(*) FROM walk) < {bound} + {limit}"  # noqa: S608
+    that orders fairly; `share` ranks them. The first of the three ways (module docstring, "The
+    fair pick") that decides is chosen by one-time filters, so only the ways needed run; `bound`
+    bounds the walk (FAIR_WALK rows beyond the claim's)."""
+    heads = "(SELECT count(*) FROM free WHERE head)"
+    if limit == "1":  # the walk for the heads ended before its bound: no row (`_free_heads`)
+        whole = "NOT EXISTS (SELECT 1 FROM free)"
+    else:
+        whole = f"(SELECT count(*) FROM walk) < {bound} + {limit}"  # noqa: S608
     return f"""WITH free AS MATERIALIZED ({_free_heads(limit, also, bound)}),
           walk AS MATERIALIZED ({_walk(limit, also, bound)})
           SELECT {_PICK_COLUMNS}, share FROM (
