@@ -320,6 +320,7 @@ WITH wanted AS (
            t.required_labels, $2::text[], t.payload, t.created_at,
            {qualified("t", POLICY_COLUMNS)}
     FROM taken t JOIN wanted w ON w.ord = t.ord
+    ORDER BY t.ord  -- the leases, and so their events, in the order they are given
     ON CONFLICT (job_execution_id) DO NOTHING
     RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,
               started_at

@@ -32,7 +32,7 @@ migration): it stays one statement of the claim, the tests call it with any walk
 plans are the planner's like every other claim's.
 
 One statement per ordering. A claim runs the plain statement (`fifo_candidates`: the index walk
-alone) or the fair one (`fair_candidates`: the project-head walk alone), never one carrying both:
+alone) or the fair one (`fair_candidates`: the fair pick alone), never one carrying both:
 a statement with both picks made every plain claim plan and start the fair one too (planning
 0.58 -> 1.1 ms, execution 0.3 -> 0.6 ms per claim). The claim picks the statement by the
 replica's `KnownOrderings` (plain unless it has seen the workspace order fairly). Each pick keeps
@@ -52,13 +52,21 @@ estimated its generic plan twenty times dearer and was planned at every claim (0
 pick reads the labels and the stepped-over rows as one-time subqueries (`PLAIN_CLAIMABLE`), so
 every plan estimates them alike and the generic plan, the same index walk, is kept. (The statement
 carrying both picks kept its generic plan only because its fair arm's custom estimate was the
-larger.) The fair pick hides the same from the planner, so it keeps a generic plan too; but
-estimated at 0.5% of a project's rows, the claimable rows looked too few for a walk in index
-order to stop early, and the plans sorted every row of the workspace or of each project instead
-(a whole workspace's 10,000 rows for one claim). So the fair pick's labels test sits inside
-coalesce (`FAIR_CLAIMABLE`, estimated at half the rows) and its walks' bounds are one-time
-subqueries (a LIMIT of unknown value is planned as 10% of the rows): its plans walk the plain
-index and each project's head in order.
+larger.) That generic plan must be the walk whatever the statistics: it guesses the workspace's
+rows, and `<@` a one-time subquery matches 0.5% of them by the planner's default, so with many
+small workspaces (a guess of one or two rows) it expected the walk to read every row anyway, and
+reading them all through a bitmap scan and sorting them cost it a few percent less; an ANALYZE
+could flip the plan, and the sort then read the whole workspace at every claim (1,300 to 1,450
+rows a job at 3,000 pending; docs/benchmarks.md, "The SQL lifecycle's slow runs"). So the label
+test is wrapped in `coalesce(..., false)`, which the planner estimates at one row in two (labels
+are never NULL, so it decides the same), and sql/0028 has it guess a workspace at 1% of the
+pending rows; with both, stopping at the first claimable row costs a small fraction of the sort
+(tests/store/test_ordering_choice.py forces the statistics of such installations).
+
+The fair pick reads the same `PLAIN_CLAIMABLE`, so it keeps a generic plan too, and its walks'
+bounds are one-time subqueries (a LIMIT of unknown value is planned as 10% of the rows): with a
+constant bound above the few claimable rows the planner expected, its plans sorted every row of
+the workspace (10,000 for one claim) or of each project instead of walking them in index order.
 
 Concurrency keys. A keyed job is claimable only while its key's `running` count
 (`concurrency_keys`, kept by triggers on `running_jobs`, sql/0012_ordering.sql) is below its
@@ -120,22 +128,16 @@ _CLAIMABLE = """workspace_id = $1 AND required_labels <@ LABELS
             AND (expires_at IS NULL OR expires_at > now())
             AND NOT EXISTS (SELECT 1 FROM paused_workspaces WHERE workspace_id = $1)"""
 
-# As the fair pick reads it: the planner sees the labels and the rows stepped over (each claim's
-# plan is its own, module docstring).
+# With the labels and the rows stepped over as plain parameters, for statements planned each
+# time (tests/store/test_fair_pick.py's full ranking); the claims read `PLAIN_CLAIMABLE`.
 CLAIMABLE = _CLAIMABLE.replace("LABELS", "$2::text[]").replace("STEPPED_OVER", "$3::uuid[]")
 
-# As the plain pick reads it: the labels and the rows stepped over as one-time subqueries, so the
-# planner estimates them as it would in a generic plan and keeps one (module docstring).
-PLAIN_CLAIMABLE = _CLAIMABLE.replace("LABELS", "(SELECT $2::text[])").replace(
-    "STEPPED_OVER", "(SELECT $3::uuid[])::uuid[]"
-)
-
-# As the fair pick reads it: as the plain pick, and the labels' test inside coalesce, which the
-# planner estimates at half the rows rather than 0.5% (module docstring, "Plans").
-FAIR_CLAIMABLE = PLAIN_CLAIMABLE.replace(
-    "required_labels <@ (SELECT $2::text[])",
-    "coalesce(required_labels <@ (SELECT $2::text[]), false)",
-)
+# As the plain and the fair pick read it: the labels and the rows stepped over as one-time
+# subqueries, so the planner estimates them as it would in a generic plan and keeps one (module
+# docstring).
+PLAIN_CLAIMABLE = _CLAIMABLE.replace(
+    "required_labels <@ LABELS", "coalesce(required_labels <@ (SELECT $2::text[]), false)"
+).replace("STEPPED_OVER", "(SELECT $3::uuid[])::uuid[]")
 
 # The plain claim's order, walked on the index.
 PLAIN_ORDER = "priority DESC, created_at, id"
@@ -167,7 +169,7 @@ def _leases(row: str) -> str:
 def _walk(limit: str, also: str, bound: int) -> str:
     """The first `bound` + `limit` claimable rows in plain order, on the plain claim's index."""
     return f"""SELECT {_PICK_COLUMNS}, project_id FROM pending_jobs
-               WHERE {FAIR_CLAIMABLE} AND {FAIR}{also}
+               WHERE {PLAIN_CLAIMABLE} AND {FAIR}{also}
                ORDER BY {PLAIN_ORDER}
                LIMIT (SELECT {bound} + {limit})"""  # noqa: S608 -- constants and the caller's limit
 
@@ -219,7 +221,7 @@ def _every_project(limit: str, also: str) -> str:
               CROSS JOIN LATERAL (
                   SELECT {_PICK_COLUMNS}
                   FROM pending_jobs
-                  WHERE {FAIR_CLAIMABLE} AND project_id = projects.project_id
+                  WHERE {PLAIN_CLAIMABLE} AND project_id = projects.project_id
                   ORDER BY {PLAIN_ORDER}
                   LIMIT (SELECT {limit})) AS heads
               WHERE projects.project_id IS NOT NULL"""  # noqa: S608 -- constants
