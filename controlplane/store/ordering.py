@@ -166,6 +166,13 @@ def _leases(row: str) -> str:
                  WHERE r.workspace_id = $1 AND r.project_id = {row}.project_id)"""  # noqa: S608
 
 
+def _unleased(row: str) -> str:
+    """Whether `row`'s project holds no lease: a probe of `running_jobs (workspace_id,
+    project_id)` that stops at its first entry."""
+    return f"""NOT EXISTS (SELECT 1 FROM running_jobs r
+                           WHERE r.workspace_id = $1 AND r.project_id = {row}.project_id)"""  # noqa: S608
+
+
 def _walk(limit: str, also: str, bound: int) -> str:
     """The first `bound` + `limit` claimable rows in plain order, on the plain claim's index."""
     return f"""SELECT {_PICK_COLUMNS}, project_id FROM pending_jobs
@@ -182,18 +189,18 @@ def _free_heads(limit: str, also: str, bound: int) -> str:
     is of a leased project), or else at its last row, returned as no `head`: so no row at all
     says the walk ended before its bound (it holds every claimable row)."""
     if limit == "1":
-        return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share, running = 0 AS head FROM (
+        return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share, head FROM (
                        SELECT *, row_number() OVER (ORDER BY {PLAIN_ORDER}) AS step,
-                              {_leases("w")} AS running
+                              {_unleased("w")} AS head
                        FROM ({_walk(limit, also, bound)}) AS w) AS w
-                   WHERE running = 0 OR step = {bound} + 1
+                   WHERE head OR step = {bound} + 1
                    ORDER BY {PLAIN_ORDER}
                    LIMIT 1"""  # noqa: S608 -- constants
     return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share, true AS head FROM (
                    SELECT *, row_number() OVER (PARTITION BY project_id ORDER BY {PLAIN_ORDER})
                           AS nth
                    FROM ({_walk(limit, also, bound)}) AS w) AS w
-               WHERE nth = 1 AND {_leases("w")} = 0
+               WHERE nth = 1 AND {_unleased("w")}
                ORDER BY {PLAIN_ORDER}
                LIMIT {limit}"""  # noqa: S608 -- constants and the caller's limit
 
