@@ -208,9 +208,11 @@ def _free_heads(limit: str, also: str, bound: int) -> str:
 def _every_project(limit: str, also: str) -> str:
     """The first `limit` rows of the full ranking found by probing every project with pending
     rows: a skip scan of `pending_jobs (workspace_id, project_id, priority DESC, created_at,
-    id)` finds them, each one's leases are counted and its first `limit` claimable rows walked
-    on that index (sql/0024). Each project's rows have shares running + 1, running + 2, ..., so
-    the first `limit` rows overall hold at most each project's first `limit`."""
+    id)` finds them, and each one's first `limit` claimable rows are walked on that index
+    (sql/0024); the workspace's leases are counted by project in one read of running_jobs (a
+    generic plan may read that small table whole, so once rather than once a project). Each
+    project's rows have shares running + 1, running + 2, ..., so the first `limit` rows overall
+    hold at most each project's first `limit`."""
     return f"""WITH RECURSIVE projects (project_id) AS (
                   (SELECT project_id FROM pending_jobs
                    WHERE workspace_id = $1 AND {FAIR}{also}
@@ -222,9 +224,12 @@ def _every_project(limit: str, also: str) -> str:
                   FROM projects WHERE projects.project_id IS NOT NULL
               )
               SELECT {qualified("heads", _PICK_COLUMNS)},
-                     {_leases("projects")} + row_number() OVER (
+                     coalesce(leased.running, 0) + row_number() OVER (
                          PARTITION BY projects.project_id ORDER BY {PLAIN_ORDER}) AS share
               FROM projects
+              LEFT JOIN (SELECT project_id, count(*) AS running FROM running_jobs
+                         WHERE workspace_id = $1 GROUP BY project_id) AS leased
+                     ON leased.project_id = projects.project_id
               CROSS JOIN LATERAL (
                   SELECT {_PICK_COLUMNS}
                   FROM pending_jobs
