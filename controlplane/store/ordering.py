@@ -67,6 +67,11 @@ The fair pick reads the same `PLAIN_CLAIMABLE`, so it keeps a generic plan too, 
 bounds are one-time subqueries (a LIMIT of unknown value is planned as 10% of the rows): with a
 constant bound above the few claimable rows the planner expected, its plans sorted every row of
 the workspace (10,000 for one claim) or of each project instead of walking them in index order.
+Its reads of running_jobs (whether a walked row's project holds a lease, the leases by project
+when every project is probed) are planned against a small table as reads of all of it, and the
+kept plan goes on reading it whole as its dead rows grow until autovacuum: with every project
+leased (200 leases) that was measured to slow fair claims where a plan made at each claim did
+not (docs/benchmarks.md, notes on the fair pick from the plain walk; not fixed).
 
 Concurrency keys. A keyed job is claimable only while its key's `running` count
 (`concurrency_keys`, kept by triggers on `running_jobs`, sql/0012_ordering.sql) is below its
