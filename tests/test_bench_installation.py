@@ -63,3 +63,8 @@ def test_profile_summary_shares_and_missing_file(tmp_path: Path) -> None:
         ("installation_walk (controlplane/actors/provisioning/rounds.py)", 50.0)
     ]
     assert installation.profile_summary(tmp_path / "absent.txt")["file"] is None
+
+
+def test_the_grant_probes_profile_lies_beside_the_rounds_one(tmp_path: Path) -> None:
+    rounds = tmp_path / "installation_profile.txt"
+    assert installation.grant_profile(rounds) == tmp_path / "installation_profile_grants.txt"

@@ -38,7 +38,11 @@ its notice stays until a round that planned after it walks the workspace or read
 (A walk also leaves out the workspaces it can give nothing because a template has no slot left,
 rounds.py says why; their figures, read in one statement, are kept here under the same rule as a
 covered workspace's round: carried while no notice came and the fingerprint, read in the
-figures' own snapshot, is unchanged. Figures of a workspace whose own provisioners cover some of
+figures' own snapshot, is unchanged. So is the round of a walked workspace it left uncovered:
+its stats are the figures a read would give after it, its own grants counted as reserved, and
+its fingerprint is read after its writes; without that, the next round would run its
+transaction again only to find it can give nothing (issue 16: a hot workspace's GROUP BY over
+its pending rows, twice a round). Figures of a workspace whose own provisioners cover some of
 its demand are not kept, since that changes with time alone.) Notifications lost while the
 listener reconnects are covered by its `resync` (a full walk) and the periodic full walk. What a
 skipped workspace reports in `demand` is what its last walk found (its queued count may have
