@@ -2,8 +2,8 @@
 each grant probe of bench/installation.py's allocation part, stage by stage, with the database's
 plans of the statements a round runs and, optionally, py-spy's profile of the replica.
 
-The replica runs under a thin wrapper (`INSTRUMENT`, passed with `-c`, so it works for `--tree`
-too as long as that tree has the same names) that writes a wall-clock stamp, as JSON lines, at:
+The replica runs with a `sitecustomize` (`INSTRUMENT`; it works for `--tree` too, as long as
+that tree has the same names) that writes a wall-clock stamp, as JSON lines, at:
 the listener's delivery of an enqueue's NOTIFY to the demand board, the start and end of each
 allocation round, each store call of the walk (the list, the provisioner's pending grants, one
 workspace's transaction, the figures read) with its duration, and the `demand` push. The probe
@@ -26,7 +26,6 @@ import random
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -51,14 +50,14 @@ from bench.installation_clients import Template, enqueue, job, orchestrator_key
 from controlplane.store import demand, demand_inputs, walk_figures
 from controlplane.store.embedded import EmbeddedPostgres
 
-# Runs in the replica's process: wraps the grant path's methods with stamps, then serves.
+# The replica's sitecustomize (Python imports it at start, before the daemon's code runs): wraps
+# the grant path's methods with stamps.
 INSTRUMENT = r"""
-import functools, json, os, runpy, sys, time
+import functools, json, os, time
 LOG = open(os.environ["CP_TIMELINE_LOG"], "a", buffering=1)
 def note(what, **kw):
     stamp = {"t": time.time(), "what": what, **{k: str(v) for k, v in kw.items()}}
     LOG.write(json.dumps(stamp) + "\n")
-import controlplane
 from controlplane.actors.provisioning import actor, board
 from controlplane.store import provisioning
 wake = board.DemandBoard.wake_workspace
@@ -98,36 +97,25 @@ def stamped(name, f):
 Store = provisioning.SessionStore
 for name in ("walk_workspaces", "outstanding_grants", "walk_figures", "allocate_in_walk"):
     setattr(Store, name, stamped(name, getattr(Store, name)))
-print("controlplane code", controlplane.__file__, flush=True)
-sys.argv = ["controlplane", *sys.argv[1:]]
-runpy.run_module("controlplane.cli", run_name="__main__", alter_sys=True)
 """
 
 STORE_CALLS = ("walk_workspaces", "outstanding_grants", "allocate_in_walk", "walk_figures")
 
 
 async def start_replica(url: str, log: Path, tree: Path | None) -> harness.Replica:
-    env = {
-        **os.environ,
-        "DATABASE_URL": url,
-        "CONTROLPLANE_SERVER_PORT": "0",
-        "CONTROLPLANE_DATABASE_POOL_MAX_SIZE": "40",
-        "CP_TIMELINE_LOG": str(log),
-        **(harness.tree_env(tree) if tree else {}),
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-c", INSTRUMENT, "--log-level", "warning", "serve"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=env,
+    """A replica (of `tree`, else this checkout) whose grant path writes its stamps to `log`."""
+    site = log.parent / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(INSTRUMENT)
+    env = harness.tree_env(tree) if tree else {}
+    path = [str(site), *([env["PYTHONPATH"]] if env else [])]
+    replica = await harness.start_replica(
+        url, **{**env, "PYTHONPATH": os.pathsep.join(path), "CP_TIMELINE_LOG": str(log)}
     )
-    assert process.stdout is not None
-    code = (await anyio.to_thread.run_sync(process.stdout.readline)).decode().strip()
-    line = (await anyio.to_thread.run_sync(process.stdout.readline)).decode().strip()
-    if not line.startswith("controlplane listening on "):
-        process.kill()
-        raise RuntimeError(f"replica did not start: {code!r} {line!r}")
-    return harness.Replica(process, line.rsplit(" ", 1)[1], code.removeprefix("controlplane code "))
+    if tree is not None and not harness.within(replica.code, tree):
+        harness.stop_replicas([replica])
+        raise RuntimeError(f"a replica of {tree} runs {replica.code}")
+    return replica
 
 
 async def probe(
