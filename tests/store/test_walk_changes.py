@@ -437,12 +437,13 @@ async def test_a_walked_round_is_carried_as_figures_unless_it_left_demand_to_own
 
     # One unit granted of two: not covered, its figures count the grant as reserved.
     assert len(found[plain].grants) == 1 and not found[plain].covered
-    assert found[plain].reservations is not None
+    fingerprint = found[plain].reservations
+    assert fingerprint is not None
     assert [(s.labels, s.queued, s.reserved) for s in found[plain].allocation.stats] == [
         (LINUX, 2, 1)
     ]
     assert found[covered_by_own].reservations is None and not found[covered_by_own].grants
-    after = [WalkEntry(plain, found[plain].reservations), WalkEntry(covered_by_own, 0)]
+    after = [WalkEntry(plain, fingerprint), WalkEntry(covered_by_own, 0)]
     assert memory.plan(after, now=1) == frozenset()  # neither is covered
     carried = memory.figures(plain)
     assert carried is not None and carried.grants == ()
