@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -315,6 +316,7 @@ async def run(args: argparse.Namespace) -> list[str]:
         if replica is not None:
             harness.stop_replicas([replica])
         server.stop("fast")
+        shutil.rmtree(folder, ignore_errors=True)  # the database: hundreds of MB
     return report
 
 
