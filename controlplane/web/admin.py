@@ -21,6 +21,7 @@ from controlplane.store.credentials import KeyRing
 from controlplane.store.pool import Conn
 from controlplane.web import auth
 from controlplane.web.edge import (
+    as_wire,
     json_response,
     read_json,
 )
@@ -50,18 +51,7 @@ class Deps:
 
 
 def credential_out(credential: Credential) -> wire.CredentialOut:
-    return wire.CredentialOut(
-        id=credential.id,
-        kind=credential.kind,
-        name=credential.name,
-        workspace_id=credential.workspace_id,
-        display_prefix=credential.display_prefix,
-        created_at=credential.created_at,
-        expires_at=credential.expires_at,
-        revoked_at=credential.revoked_at,
-        revocation_reason=credential.revocation_reason,
-        role=credential.role.value,
-    )
+    return as_wire(credential, wire.CredentialOut)
 
 
 @operation(create("Create an API key", wire.CreateApiKey, wire.CreatedCredential))

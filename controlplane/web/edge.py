@@ -186,6 +186,12 @@ def decode(body: bytes, kind: type[T], *, max_depth: int) -> T:
     return value
 
 
+def as_wire(found: object, kind: type[T]) -> T:
+    """A domain value as the wire Struct that declares the same fields (by name: a wire type
+    that renames or computes a field is built by hand instead)."""
+    return msgspec.convert(found, kind, from_attributes=True)
+
+
 def max_json_depth(request: HTTPConnection) -> int:
     depth: int = request.app.state.settings.server.max_json_depth
     return depth

@@ -21,6 +21,7 @@ from controlplane.settings import Settings
 from controlplane.store import capabilities, fleet, queries
 from controlplane.web import auth
 from controlplane.web.edge import (
+    as_wire,
     json_response,
     query_only,
 )
@@ -234,19 +235,7 @@ async def reservations(svc: Deps, request: Request) -> Response:
     async with svc.pool.acquire() as conn:
         found = await fleet.live_reservations(conn, workspace)
     return json_response(
-        wire.ReservationList(
-            items=[
-                wire.ReservationGroup(
-                    workspace_id=group.workspace_id,
-                    labels=list(group.labels),
-                    kind=group.kind,  # type: ignore[arg-type]
-                    reservations=group.reservations,
-                    units=group.units,
-                    next_expiry=group.next_expiry,
-                )
-                for group in found
-            ]
-        )
+        wire.ReservationList(items=[as_wire(group, wire.ReservationGroup) for group in found])
     )
 
 

@@ -16,7 +16,7 @@ from controlplane.domain.provisioners import Provisioner
 from controlplane.store import credentials, provisioners
 from controlplane.store.pool import Conn
 from controlplane.web import admin
-from controlplane.web.edge import json_response, read_json
+from controlplane.web.edge import as_wire, json_response, read_json
 from controlplane.web.endpoints import bound
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.operations import (
@@ -45,18 +45,7 @@ Deps = admin.Deps
 
 
 def token_out(found: Provisioner) -> wire.ProvisionerTokenOut:
-    return wire.ProvisionerTokenOut(
-        id=found.id,
-        scope=found.scope,  # type: ignore[arg-type]
-        workspace_id=found.workspace_id,
-        name=found.name,
-        display_prefix=found.display_prefix,
-        created_at=found.created_at,
-        expires_at=found.expires_at,
-        revoked_at=found.revoked_at,
-        revocation_reason=found.revocation_reason,
-        last_seen_at=found.last_seen_at,
-    )
+    return as_wire(found, wire.ProvisionerTokenOut)
 
 
 @operation(
