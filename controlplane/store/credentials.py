@@ -25,7 +25,7 @@ from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import NotFound
 from controlplane.store import pages, provisioners
 from controlplane.store.pool import Conn
-from controlplane.store.records import insert_token, row_by_digest
+from controlplane.store.records import found_by_digest, insert_token
 
 
 def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
@@ -41,6 +41,10 @@ def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
         revocation_reason=row["revocation_reason"],
         role=Role(row["role"]) if "role" in row else Role.OWNER,
     )
+
+
+def _manual_token(row: asyncpg.Record) -> Credential:
+    return _credential(row, "manual-registration")
 
 
 _COLUMNS = (
@@ -143,8 +147,9 @@ async def create_api_key(
 
 
 async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | None:
-    row = await row_by_digest(
+    return await found_by_digest(
         conn,
+        _credential,
         f"""
         SELECT token_sha256, {_KEY_COLUMNS} FROM api_keys
         WHERE token_sha256 = $1 AND kind = $2
@@ -152,9 +157,6 @@ async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | 
         sha256,
         kind,
     )
-    if row is None:
-        return None
-    return _credential(row)
 
 
 async def api_key_by_id(conn: Conn, key_id: UUID) -> Credential | None:
@@ -206,18 +208,16 @@ async def create_manual_token(
     token = token or tokens.new_opaque(tokens.Kind.MANUAL_REGISTRATION)
     fields = {"workspace_id": workspace_id, "name": name}
     row = await insert_token(conn, "manual_registration_tokens", fields, token, ttl, _COLUMNS)
-    return _credential(row, "manual-registration"), token.raw
+    return _manual_token(row), token.raw
 
 
 async def manual_token_by_digest(conn: Conn, sha256: str) -> Credential | None:
-    row = await row_by_digest(
+    return await found_by_digest(
         conn,
+        _manual_token,
         f"SELECT token_sha256, {_COLUMNS} FROM manual_registration_tokens WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
         sha256,
     )
-    if row is None:
-        return None
-    return _credential(row, "manual-registration")
 
 
 async def manual_token_by_id(conn: Conn, token_id: UUID) -> Credential | None:
@@ -225,7 +225,7 @@ async def manual_token_by_id(conn: Conn, token_id: UUID) -> Credential | None:
         f"SELECT {_COLUMNS} FROM manual_registration_tokens WHERE id = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
         token_id,
     )
-    return None if row is None else _credential(row, "manual-registration")
+    return None if row is None else _manual_token(row)
 
 
 async def list_manual_tokens(
@@ -249,7 +249,7 @@ async def list_manual_tokens(
         workspace_id,
         usable_only,
     )
-    return [_credential(row, "manual-registration") for row in rows]
+    return [_manual_token(row) for row in rows]
 
 
 async def revoke_manual_token(
@@ -269,7 +269,7 @@ async def revoke_manual_token(
     )
     if row is None:
         raise NotFound("no such registration token", id=str(token_id))
-    return _credential(row, "manual-registration")
+    return _manual_token(row)
 
 
 # Any family, for the admin API and the `tokens` command ------------------------------------------

@@ -37,7 +37,7 @@ from controlplane.errors import NotFound
 from controlplane.store import pages
 from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
-from controlplane.store.records import insert_token, row_by_digest
+from controlplane.store.records import found_by_digest, insert_token
 from controlplane.store.reservations import ACTIVE_SQL, lock_workspace
 from controlplane.store.runner_release import lock_linked_runners, release_terminal
 
@@ -75,14 +75,12 @@ async def create(
 
 
 async def by_digest(conn: Conn, sha256: str) -> Provisioner | None:
-    row = await row_by_digest(
+    return await found_by_digest(
         conn,
+        _provisioner,
         f"SELECT token_sha256, {_COLUMNS} FROM provisioner_tokens WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
         sha256,
     )
-    if row is None:
-        return None
-    return _provisioner(row)
 
 
 async def by_id(conn: Conn, provisioner_id: UUID) -> Provisioner | None:

@@ -6,9 +6,9 @@ No statement here takes an explicit lock: `row_by_digest` reads one row by a uni
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 import msgspec
@@ -16,6 +16,8 @@ import msgspec
 from controlplane.domain import tokens
 from controlplane.domain.jobs import JobIdentity
 from controlplane.store.pool import Conn
+
+T = TypeVar("T")
 
 IDENTITY_COLUMNS = (
     "workspace_id, workflow_run_id, workflow_run_attempt_id, job_id, job_execution_id, project_id"
@@ -76,6 +78,14 @@ async def row_by_digest(
     if row is None or not tokens.same_digest(row["token_sha256"], sha256):
         return None
     return row
+
+
+async def found_by_digest(
+    conn: Conn, into: Callable[[asyncpg.Record], T], query: str, sha256: str, *args: object
+) -> T | None:
+    """`row_by_digest`, the row made into its domain value by `into`."""
+    row = await row_by_digest(conn, query, sha256, *args)
+    return None if row is None else into(row)
 
 
 async def insert_token(
