@@ -25,7 +25,7 @@ from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import NotFound
 from controlplane.store import pages, provisioners
 from controlplane.store.pool import Conn
-from controlplane.store.records import found_by_digest, insert_token
+from controlplane.store.records import TokenTable, found_by_digest, insert_token
 
 
 def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
@@ -51,6 +51,7 @@ _COLUMNS = (
     "id, name, workspace_id, display_prefix, created_at, expires_at, revoked_at, revocation_reason"
 )
 _KEY_COLUMNS = f"kind, role, {_COLUMNS}"  # an API key's
+_MANUAL_TOKENS = TokenTable("manual_registration_tokens", _COLUMNS, _manual_token)
 # For a read elsewhere that joins the key in (store/ui_sessions.py `by_secret`).
 API_KEY_COLUMNS = _KEY_COLUMNS
 
@@ -207,25 +208,15 @@ async def create_manual_token(
 ) -> tuple[Credential, str]:
     token = token or tokens.new_opaque(tokens.Kind.MANUAL_REGISTRATION)
     fields = {"workspace_id": workspace_id, "name": name}
-    row = await insert_token(conn, "manual_registration_tokens", fields, token, ttl, _COLUMNS)
-    return _manual_token(row), token.raw
+    return await _MANUAL_TOKENS.insert(conn, fields, token, ttl), token.raw
 
 
 async def manual_token_by_digest(conn: Conn, sha256: str) -> Credential | None:
-    return await found_by_digest(
-        conn,
-        _manual_token,
-        f"SELECT token_sha256, {_COLUMNS} FROM manual_registration_tokens WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
-        sha256,
-    )
+    return await _MANUAL_TOKENS.by_digest(conn, sha256)
 
 
 async def manual_token_by_id(conn: Conn, token_id: UUID) -> Credential | None:
-    row = await conn.fetchrow(
-        f"SELECT {_COLUMNS} FROM manual_registration_tokens WHERE id = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
-        token_id,
-    )
-    return None if row is None else _manual_token(row)
+    return await _MANUAL_TOKENS.by_id(conn, token_id)
 
 
 async def list_manual_tokens(

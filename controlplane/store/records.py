@@ -7,8 +7,10 @@ No statement here takes an explicit lock: `row_by_digest` reads one row by a uni
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
+from uuid import UUID
 
 import asyncpg
 import msgspec
@@ -113,3 +115,35 @@ async def insert_token(
     )
     assert row is not None
     return row
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTable(Generic[T]):
+    """A family of opaque tokens kept in a table of its own (manual registration tokens,
+    provisioner tokens): its name, the columns its domain value is read from, and `into`, which
+    makes a row that value. Its issue and its two lookups are written once, here."""
+
+    table: str
+    columns: str
+    into: Callable[[asyncpg.Record], T]
+
+    async def insert(
+        self, conn: Conn, fields: Mapping[str, object], token: tokens.Opaque, ttl: timedelta | None
+    ) -> T:
+        """`insert_token` into this table."""
+        return self.into(await insert_token(conn, self.table, fields, token, ttl, self.columns))
+
+    async def by_digest(self, conn: Conn, sha256: str) -> T | None:
+        return await found_by_digest(
+            conn,
+            self.into,
+            f"SELECT token_sha256, {self.columns} FROM {self.table} WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: table, columns
+            sha256,
+        )
+
+    async def by_id(self, conn: Conn, token_id: UUID) -> T | None:
+        row = await conn.fetchrow(
+            f"SELECT {self.columns} FROM {self.table} WHERE id = $1",  # noqa: S608 -- interpolates constants only: table, columns
+            token_id,
+        )
+        return None if row is None else self.into(row)
