@@ -70,7 +70,7 @@ def json_text(value: Any) -> str:
     return _json_encoder.encode(value).decode()
 
 
-def from_row(kind: type[T], row: asyncpg.Record, **given: object) -> T:
+def from_row(kind: type[T], row: asyncpg.Record, /, **given: object) -> T:
     """The domain dataclass `kind` of a row whose columns are named as its fields; `given`
     holds the fields that are not a plain column (converted, renamed or computed)."""
     names = getattr(kind, "__dataclass_fields__")  # noqa: B009 -- mypy knows no such field of type[T]
