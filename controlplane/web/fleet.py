@@ -84,13 +84,10 @@ def runners_out(
     return json_response(
         wire.ActiveRunners(
             items=[
-                wire.ActiveRunnerOut(
-                    runner_session_id=runner.runner_session_id,
-                    workspace_id=runner.workspace_id,
+                as_wire(
+                    runner,
+                    wire.ActiveRunnerOut,
                     mode=runner.kind,
-                    labels=list(runner.labels),
-                    last_seen_at=runner.last_seen_at,
-                    running=runner.running,
                     capabilities=effective_out(
                         reports.get(runner.runner_session_id, absent), settings
                     ),
@@ -104,30 +101,17 @@ def runners_out(
 def _instance(
     row: fleet.InstanceRow, now: datetime, threshold: timedelta
 ) -> wire.RunnerInstanceOut:
-    return wire.RunnerInstanceOut(
-        id=row.id,
+    return as_wire(
+        row,
+        wire.RunnerInstanceOut,
         provisioner=wire.InstanceProvisioner(
             id=row.provisioner_id,
             scope=row.provisioner_scope,  # type: ignore[arg-type]
             name=row.provisioner_name,
         ),
-        workspace_id=row.workspace_id,
-        provider_runner_id=row.provider_runner_id,
-        provider_kind=row.provider_kind,
-        launch_kind=row.launch_kind,  # type: ignore[arg-type]
-        template_key=row.template_key,
-        labels=list(row.labels),
-        state=row.state.value,
         lifecycle_state=views.lifecycle_state(row.facts),
         enrollment_state=views.enrollment_state(row.facts),
         reconciliation_status=views.reconciliation_status(row.facts, now=now, threshold=threshold),
-        reason=row.reason,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        reported_at=row.reported_at,
-        assigned_at=row.assigned_at,
-        first_claimed_at=row.first_claimed_at,
-        closed_at=row.closed_at,
     )
 
 

@@ -26,6 +26,7 @@ from controlplane.settings import Settings
 from controlplane.store import events, executions, leases, queue
 from controlplane.web import auth, jobs
 from controlplane.web.edge import (
+    as_wire,
     json_response,
     path_uuid,
     read_json,
@@ -237,27 +238,12 @@ async def execution_state(svc: Deps, request: Request) -> Response:
                 conn, found.workspace_id, found.required_labels, execution
             )
     return json_response(
-        wire.ExecutionState(
-            job_execution_id=found.job_execution_id,
-            state=found.state,  # type: ignore[arg-type]
-            workspace_id=found.workspace_id,
-            outcome=found.outcome,
-            ended_by=found.ended_by,
-            runner_session_id=found.runner_session_id,
-            cancel_requested=found.cancel_requested,
-            exit_code=found.exit_code,
-            output_tail=found.output_tail,
+        as_wire(
+            found,
+            wire.ExecutionState,
             waiting=waiting,
-            attempt=found.attempt,
             lost_attempts=[
-                wire.LostAttemptOut(
-                    attempt=lost.attempt,
-                    outcome="lost",
-                    runner_session_id=lost.runner_session_id,
-                    started_at=lost.started_at,
-                    ended_at=lost.ended_at,
-                )
-                for lost in found.lost_attempts
+                as_wire(lost, wire.LostAttemptOut, outcome="lost") for lost in found.lost_attempts
             ],
         )
     )
@@ -295,17 +281,7 @@ async def read_events(svc: Deps, request: Request) -> Response:
     next_cursor = found[-1].cursor if found else f"{after[0]}.{after[1]}"
     return json_response(
         wire.EventsResponse(
-            events=[
-                wire.EventOut(
-                    cursor=event.cursor,
-                    type=event.event_type,
-                    workspace_id=event.workspace_id,
-                    job_execution_id=event.job_execution_id,
-                    payload=event.payload,
-                    created_at=event.created_at,
-                )
-                for event in found
-            ],
+            events=[as_wire(event, wire.EventOut, type=event.event_type) for event in found],
             next_cursor=next_cursor,
         )
     )
