@@ -15,13 +15,13 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
 from controlplane.domain.credentials import Credential, Role
+from controlplane.domain.fields import by_name
 from controlplane.settings import Settings
 from controlplane.store import credentials, executions, queries
 from controlplane.store.credentials import KeyRing
 from controlplane.store.pool import Conn
 from controlplane.web import auth
 from controlplane.web.edge import (
-    as_wire,
     json_response,
     read_json,
 )
@@ -51,7 +51,7 @@ class Deps:
 
 
 def credential_out(credential: Credential) -> wire.CredentialOut:
-    return as_wire(credential, wire.CredentialOut)
+    return by_name(wire.CredentialOut, credential)
 
 
 @operation(create("Create an API key", wire.CreateApiKey, wire.CreatedCredential))

@@ -19,7 +19,6 @@ from controlplane.errors import InvalidInput, PayloadTooLarge, Unauthorized
 from controlplane.wire.common import Capabilities
 
 T = TypeVar("T")
-S = TypeVar("S", bound=msgspec.Struct)
 
 _encoder = msgspec.json.Encoder()
 
@@ -185,14 +184,6 @@ def decode(body: bytes, kind: type[T], *, max_depth: int) -> T:
         raise InvalidInput(f"body is not valid JSON: {error}") from error
     screen_decoded(value, body)
     return value
-
-
-def as_wire(found: object, kind: type[S], /, **given: object) -> S:
-    """A domain value as the wire Struct `kind`, each field read from the attribute of its
-    name; `given` holds the fields the wire renames or computes. (Tuples stay tuples and enums
-    enums: both encode as the list and the value the wire declares.)"""
-    plain = {name: getattr(found, name) for name in kind.__struct_fields__ if name not in given}
-    return kind(**plain, **given)
 
 
 def max_json_depth(request: HTTPConnection) -> int:

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from controlplane.domain import fleet as views
+from controlplane.domain.fields import by_name
 from controlplane.domain.labels import label_error
 from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import InvalidInput
@@ -21,7 +22,6 @@ from controlplane.settings import Settings
 from controlplane.store import capabilities, fleet, queries
 from controlplane.web import auth
 from controlplane.web.edge import (
-    as_wire,
     json_response,
     query_only,
 )
@@ -84,9 +84,9 @@ def runners_out(
     return json_response(
         wire.ActiveRunners(
             items=[
-                as_wire(
-                    runner,
+                by_name(
                     wire.ActiveRunnerOut,
+                    runner,
                     mode=runner.kind,
                     capabilities=effective_out(
                         reports.get(runner.runner_session_id, absent), settings
@@ -101,9 +101,9 @@ def runners_out(
 def _instance(
     row: fleet.InstanceRow, now: datetime, threshold: timedelta
 ) -> wire.RunnerInstanceOut:
-    return as_wire(
-        row,
+    return by_name(
         wire.RunnerInstanceOut,
+        row,
         provisioner=wire.InstanceProvisioner(
             id=row.provisioner_id,
             scope=row.provisioner_scope,  # type: ignore[arg-type]
@@ -219,7 +219,7 @@ async def reservations(svc: Deps, request: Request) -> Response:
     async with svc.pool.acquire() as conn:
         found = await fleet.live_reservations(conn, workspace)
     return json_response(
-        wire.ReservationList(items=[as_wire(group, wire.ReservationGroup) for group in found])
+        wire.ReservationList(items=[by_name(wire.ReservationGroup, group) for group in found])
     )
 
 

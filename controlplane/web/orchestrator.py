@@ -17,6 +17,7 @@ from controlplane import metrics
 from controlplane.actors.feed import FeedWatch
 from controlplane.domain import lifetimes
 from controlplane.domain.credentials import Credential
+from controlplane.domain.fields import by_name
 from controlplane.domain.jobs import JobIdentity, NewJob, Outcome
 from controlplane.domain.labels import canonicalise
 from controlplane.domain.ordering import check_ordering
@@ -26,7 +27,6 @@ from controlplane.settings import Settings
 from controlplane.store import events, executions, leases, queue
 from controlplane.web import auth, jobs
 from controlplane.web.edge import (
-    as_wire,
     json_response,
     path_uuid,
     read_json,
@@ -94,14 +94,7 @@ def _new_job(job: wire.EnqueueJob, queue_knobs: QueueSettings, index: int) -> Ne
     except msgspec.ValidationError as error:
         raise InvalidInput(f"jobs[{index}].payload must be a JSON object", index=index) from error
     return NewJob(
-        identity=JobIdentity(
-            workspace_id=job.workspace_id,
-            workflow_run_id=job.workflow_run_id,
-            workflow_run_attempt_id=job.workflow_run_attempt_id,
-            job_id=job.job_id,
-            job_execution_id=job.job_execution_id,
-            project_id=job.project_id,
-        ),
+        identity=by_name(JobIdentity, job),
         required_labels=canonicalise(job.required_labels),
         queued_at=job.queued_at,
         payload=payload,
@@ -238,12 +231,12 @@ async def execution_state(svc: Deps, request: Request) -> Response:
                 conn, found.workspace_id, found.required_labels, execution
             )
     return json_response(
-        as_wire(
-            found,
+        by_name(
             wire.ExecutionState,
+            found,
             waiting=waiting,
             lost_attempts=[
-                as_wire(lost, wire.LostAttemptOut, outcome="lost") for lost in found.lost_attempts
+                by_name(wire.LostAttemptOut, lost, outcome="lost") for lost in found.lost_attempts
             ],
         )
     )
@@ -281,7 +274,7 @@ async def read_events(svc: Deps, request: Request) -> Response:
     next_cursor = found[-1].cursor if found else f"{after[0]}.{after[1]}"
     return json_response(
         wire.EventsResponse(
-            events=[as_wire(event, wire.EventOut, type=event.event_type) for event in found],
+            events=[by_name(wire.EventOut, event, type=event.event_type) for event in found],
             next_cursor=next_cursor,
         )
     )

@@ -12,11 +12,12 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
 from controlplane.domain.credentials import Credential
+from controlplane.domain.fields import by_name
 from controlplane.domain.provisioners import Provisioner
 from controlplane.store import credentials, provisioners
 from controlplane.store.pool import Conn
 from controlplane.web import admin
-from controlplane.web.edge import as_wire, json_response, read_json
+from controlplane.web.edge import json_response, read_json
 from controlplane.web.endpoints import bound
 from controlplane.web.idempotency import create_once, revoke_once
 from controlplane.web.operations import (
@@ -45,7 +46,7 @@ Deps = admin.Deps
 
 
 def token_out(found: Provisioner) -> wire.ProvisionerTokenOut:
-    return as_wire(found, wire.ProvisionerTokenOut)
+    return by_name(wire.ProvisionerTokenOut, found)
 
 
 @operation(

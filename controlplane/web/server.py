@@ -42,6 +42,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from uvicorn.server import ServerState
 
 from controlplane import metrics
+from controlplane.domain.fields import by_name
 from controlplane.settings import Settings
 from controlplane.wire.common import ErrorBody, ErrorEnvelope
 
@@ -68,15 +69,7 @@ class ConnectionLimits:
 
     @classmethod
     def of(cls, settings: Settings) -> ConnectionLimits:
-        server = settings.server
-        return cls(
-            max_connections=server.max_connections,
-            max_header_bytes=server.max_header_bytes,
-            header_read_timeout_seconds=server.header_read_timeout_seconds,
-            body_read_timeout_seconds=server.body_read_timeout_seconds,
-            keep_alive_seconds=server.keep_alive_seconds,
-            websocket_max_message_bytes=server.websocket_max_message_bytes,
-        )
+        return by_name(cls, settings.server)
 
 
 def _canned(status: int, reason: str, code: str, message: str, **details: Any) -> bytes:
