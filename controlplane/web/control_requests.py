@@ -18,6 +18,7 @@ from typing import Any
 
 from controlplane.actors.provisioning import DemandPush, ProvisionerActor
 from controlplane.domain.demand import Template
+from controlplane.domain.fields import by_name
 from controlplane.domain.labels import canonicalise
 from controlplane.domain.reports import ReconcileOutcome, RunnerEvent
 from controlplane.domain.rounds import Grant
@@ -43,14 +44,7 @@ async def _ping(actor: ProvisionerActor, message: wire.Ping) -> wire.Pong:
 
 async def _advertise(actor: ProvisionerActor, message: wire.Advertise) -> wire.Advertised:
     ads = [
-        Template(
-            key=ad.template_key,
-            labels=tuple(ad.labels),
-            available_slots=ad.available_slots,
-            starting=ad.starting,
-            running=ad.running,
-            idle_target=ad.idle_target,
-        )
+        by_name(Template, ad, key=ad.template_key, labels=tuple(ad.labels))
         for ad in message.templates
     ]
     kept = await actor.advertise(ads, message.max_reservations, message.reservation_ttl_seconds)
