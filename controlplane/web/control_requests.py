@@ -161,33 +161,15 @@ def _reconciled(request_id: str, result: ReconcileOutcome) -> wire.Reconciled:
 
 
 def grant(found: Grant) -> wire.Grant:
-    return wire.Grant(
-        reservation_id=found.reservation_id,
-        workspace_id=found.workspace_id,
-        labels=list(found.labels),
-        count=found.count,
-        expires_at=found.expires_at,
-    )
+    return by_name(wire.Grant, found)
 
 
 def demand(push: DemandPush) -> wire.Demand:
     return wire.Demand(
         seq=push.seq,
-        stats=[
-            wire.DemandStat(
-                workspace_id=s.workspace_id,
-                labels=list(s.labels),
-                queued=s.queued,
-                reserved=s.reserved,
-                oldest_queued_at=s.oldest_queued_at,
-            )
-            for s in push.stats
-        ],
+        stats=[by_name(wire.DemandStat, s) for s in push.stats],
         grants=[grant(g) for g in push.grants],
-        warm=[
-            wire.WarmLaunch(template_key=w.template_key, labels=list(w.labels), count=w.count)
-            for w in push.warm
-        ],
+        warm=[by_name(wire.WarmLaunch, w) for w in push.warm],
         newly_reserved=push.newly_reserved,
         terminate_provider_runner_ids=push.terminate,
     )

@@ -198,11 +198,10 @@ async def pending_groups(svc: Deps, request: Request) -> Response:
     return json_response(
         wire.PendingGroupList(
             items=[
-                wire.PendingGroupOut(
-                    workspace_id=group.workspace_id,
-                    labels=list(group.required_labels),
-                    pending=group.pending,
-                    oldest_enqueued_at=group.oldest_enqueued_at,
+                by_name(
+                    wire.PendingGroupOut,
+                    group,
+                    labels=group.required_labels,
                     waiting=waiting_out(
                         why_waiting(group.required_labels, group.takers), group.takers
                     ),
