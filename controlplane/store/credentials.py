@@ -25,7 +25,7 @@ from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import NotFound
 from controlplane.store import pages, provisioners
 from controlplane.store.pool import Conn
-from controlplane.store.records import TokenTable, found_by_digest, insert_token
+from controlplane.store.records import TokenTable, found_by_digest
 
 
 def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
@@ -51,6 +51,7 @@ _COLUMNS = (
     "id, name, workspace_id, display_prefix, created_at, expires_at, revoked_at, revocation_reason"
 )
 _KEY_COLUMNS = f"kind, role, {_COLUMNS}"  # an API key's
+_API_KEYS = TokenTable("api_keys", _KEY_COLUMNS, _credential)
 _MANUAL_TOKENS = TokenTable("manual_registration_tokens", _COLUMNS, _manual_token)
 # For a read elsewhere that joins the key in (store/ui_sessions.py `by_secret`).
 API_KEY_COLUMNS = _KEY_COLUMNS
@@ -65,9 +66,33 @@ def api_key(row: asyncpg.Record) -> Credential:
 _USABLE = "revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now())"
 
 
-# The first revocation sets the time and the reason ($2); later ones change neither.
-_REVOKE = """revoked_at = COALESCE(revoked_at, now()),
-    revocation_reason = CASE WHEN revoked_at IS NULL THEN $2::text ELSE revocation_reason END"""
+async def _revoke(
+    conn: Conn,
+    family: TokenTable[Credential],
+    token_id: UUID,
+    reason: str | None,
+    workspace_id: UUID | None,
+    missing: str,
+) -> Credential:
+    """Revoke one token of `family` (with `workspace_id`, only that workspace's): the first
+    revocation sets the time and the reason, later ones change neither. NotFound (`missing`)
+    when there is no such token."""
+    row = await conn.fetchrow(
+        f"""
+        UPDATE {family.table}
+           SET revoked_at = COALESCE(revoked_at, now()),
+               revocation_reason = CASE WHEN revoked_at IS NULL THEN $2::text
+                                        ELSE revocation_reason END
+         WHERE id = $1 AND ($3::uuid IS NULL OR workspace_id = $3)
+        RETURNING {family.columns}
+        """,  # noqa: S608 -- interpolates constants only: a family's table and columns
+        token_id,
+        reason,
+        workspace_id,
+    )
+    if row is None:
+        raise NotFound(missing, id=str(token_id))
+    return family.into(row)
 
 
 # Signing keys ---------------------------------------------------------------------------------
@@ -143,8 +168,7 @@ async def create_api_key(
 ) -> tuple[Credential, str]:
     token = token or tokens.new_opaque(Family(kind).token_kind)
     fields = {"kind": kind, "name": name, "workspace_id": workspace_id, "role": role.value}
-    row = await insert_token(conn, "api_keys", fields, token, ttl, _KEY_COLUMNS)
-    return _credential(row), token.raw
+    return await _API_KEYS.insert(conn, fields, token, ttl), token.raw
 
 
 async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | None:
@@ -161,8 +185,7 @@ async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | 
 
 
 async def api_key_by_id(conn: Conn, key_id: UUID) -> Credential | None:
-    row = await conn.fetchrow(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = $1", key_id)  # noqa: S608 -- interpolates constants only: _KEY_COLUMNS
-    return None if row is None else _credential(row)
+    return await _API_KEYS.by_id(conn, key_id)
 
 
 async def list_api_keys(
@@ -182,17 +205,7 @@ async def list_api_keys(
 
 async def revoke_api_key(conn: Conn, key_id: UUID, *, reason: str | None = None) -> Credential:
     """Idempotent: revoking twice keeps the first revocation time and reason."""
-    row = await conn.fetchrow(
-        f"""
-        UPDATE api_keys SET {_REVOKE} WHERE id = $1
-        RETURNING {_KEY_COLUMNS}
-        """,  # noqa: S608 -- interpolates constants only: _REVOKE, _KEY_COLUMNS
-        key_id,
-        reason,
-    )
-    if row is None:
-        raise NotFound("no such API key", id=str(key_id))
-    return _credential(row)
+    return await _revoke(conn, _API_KEYS, key_id, reason, None, "no such API key")
 
 
 # Manual registration tokens ---------------------------------------------------------------------
@@ -248,19 +261,9 @@ async def revoke_manual_token(
 ) -> Credential:
     """Idempotent, keeping the first time and reason. With `workspace_id`, a token of another
     workspace is not found."""
-    row = await conn.fetchrow(
-        f"""
-        UPDATE manual_registration_tokens SET {_REVOKE}
-        WHERE id = $1 AND ($3::uuid IS NULL OR workspace_id = $3)
-        RETURNING {_COLUMNS}
-        """,  # noqa: S608 -- interpolates constants only: _REVOKE, _COLUMNS
-        token_id,
-        reason,
-        workspace_id,
+    return await _revoke(
+        conn, _MANUAL_TOKENS, token_id, reason, workspace_id, "no such registration token"
     )
-    if row is None:
-        raise NotFound("no such registration token", id=str(token_id))
-    return _manual_token(row)
 
 
 # Any family, for the admin API and the `tokens` command ------------------------------------------
