@@ -227,6 +227,11 @@ async def profiled(pid: int, path: Path | None) -> AsyncIterator[None]:
             process.wait()
 
 
+def grant_profile(rounds: Path) -> Path:
+    """Where the replica's profile through the grant probes goes, beside the rounds' one."""
+    return rounds.with_name(f"{rounds.stem}_grants{rounds.suffix}")
+
+
 def profile_summary(path: Path, top: int = 12) -> dict[str, Any]:
     """The functions with the most samples in a collapsed-stack file: where the samples ended
     (self) and, for the replica's own code, every sample a function was on the stack for."""
@@ -451,10 +456,11 @@ async def allocation_at(
                     sizes.slots,
                     GRANT_TTL,
                 )
-                probes = {
-                    kind: await grant_latency(client, replica.address, key, among, sizes)
-                    for kind, among in (("cold", cold or hot), ("hot", hot))
-                }
+                async with profiled(replica.process.pid, profile and grant_profile(profile)):
+                    probes = {
+                        kind: await grant_latency(client, replica.address, key, among, sizes)
+                        for kind, among in (("cold", cold or hot), ("hot", hot))
+                    }
                 for kind, figures in probes.items():
                     print(
                         f"    grant, {kind} workspace: p50 {figures['p50_ms']} ms, "
@@ -475,7 +481,7 @@ async def allocation(
     server: str, tree: Path | None, sizes: Sizes, profile: Path | None = None
 ) -> dict[str, Any]:
     """Both workspace counts; with `profile`, py-spy records the replica through the rounds of
-    the larger one (the slowest figure)."""
+    the larger one (the slowest figure), and through its grant probes (`grant_profile`)."""
     found: dict[str, Any] = {
         "pending": sizes.pending,
         "slots": sizes.slots,
@@ -491,6 +497,7 @@ async def allocation(
         )
     if profile is not None:
         found["profile"] = profile_summary(profile)
+        found["grant_profile"] = profile_summary(grant_profile(profile))
     big = found["by_workspaces"][str(sizes.workspaces)]["rounds_by_bulk_slots"]
     small = found["by_workspaces"][str(sizes.baseline_workspaces)]["rounds_by_bulk_slots"]
     found["round_ms_ratio_to_baseline"] = {
@@ -577,7 +584,8 @@ async def run(
     sizes: Sizes = SIZES, tree: Path | None = None, smoke: bool = False, profile: bool = False
 ) -> dict[str, Any]:
     """Run the parts of `sizes`; with `profile` (and py-spy installed), the replica of the
-    larger allocation run is profiled through its rounds (installation_profile.txt)."""
+    larger allocation run is profiled through its rounds (installation_profile.txt) and its
+    grant probes (installation_profile_grants.txt)."""
     # Each session is a socket here; the parked runners are spread over child processes.
     raise_fd_limit(sizes.sessions + sizes.installation_sessions + 1000)
     folder = results_dir(smoke)
@@ -638,7 +646,8 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Sizes, Path | None, bool, 
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="py-spy the replica through the larger allocation run's rounds (if installed)",
+        help="py-spy the replica through the larger allocation run's rounds and grant probes "
+        "(if installed)",
     )
     for spec in dataclasses.fields(Sizes):
         value = getattr(defaults, spec.name)

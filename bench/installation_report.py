@@ -64,20 +64,21 @@ def _allocation(found: dict[str, Any]) -> list[str]:
             f"| {size} | {cold['p50_ms']} | {cold['p99_ms']} | {cold['missed']} | "
             f"{hot['p50_ms']} | {hot['p99_ms']} | {hot['missed']} |"
         )
-    profile = found.get("profile")
-    if profile and profile.get("file"):
 
-        def named(shares: list[list[Any]]) -> str:
-            return "; ".join(f"`{name}` {share}%" for name, share in shares[:6])
+    def named(shares: list[list[Any]]) -> str:
+        return "; ".join(f"`{name}` {share}%" for name, share in shares[:6])
 
-        lines += [
-            "",
-            f"py-spy (`--profile`) on the replica through the {sizes[0]}-workspace rounds, "
-            f"{profile['samples']} samples of its thread that py-spy did not find idle. Where "
-            f"they ended: {named(profile['self_percent'])} (a sample ending in `Runner.run` is "
-            "inside the event loop's own C code: polling, socket I/O, callbacks). Our "
-            f"functions on the stack: {named(profile['controlplane_inclusive_percent'])}.",
-        ]
+    for key, what in (("profile", "rounds"), ("grant_profile", "grant probes")):
+        profile = found.get(key)
+        if profile and profile.get("file"):
+            lines += [
+                "",
+                f"py-spy (`--profile`) on the replica through the {sizes[0]}-workspace {what}, "
+                f"{profile['samples']} samples of its thread that py-spy did not find idle. Where "
+                f"they ended: {named(profile['self_percent'])} (a sample ending in `Runner.run` "
+                "is inside the event loop's own C code: polling, socket I/O, callbacks). Our "
+                f"functions on the stack: {named(profile['controlplane_inclusive_percent'])}.",
+            ]
     return [*lines, ""]
 
 

@@ -270,6 +270,12 @@ def _ordering(found: dict[str, Any]) -> list[str]:
             if "ratio_fair_to_plain" in found
             else ""
         )
+        + (
+            "; `fair_hot_front`: fair's worst shape, a project holding leases owns the front "
+            "of each workspace's queue, so every claim walks past it and probes every project"
+            if "ratio_fair_hot_front_to_plain" in found
+            else ""
+        )
         + f". Measured {found.get('measured_at', '?')}. "
         "Target: policies within 1.5x of plain.",
         "",
@@ -285,6 +291,7 @@ def _ordering(found: dict[str, Any]) -> list[str]:
     for label, key in (
         ("policies / plain", "ratio_policies_to_plain"),
         ("fair / plain", "ratio_fair_to_plain"),
+        ("fair, hot front / plain", "ratio_fair_hot_front_to_plain"),
     ):
         if key not in found:
             continue  # results from before the fair variant

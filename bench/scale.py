@@ -20,7 +20,11 @@ load, and throughput as replicas are added.
   projects, round-robin). Every timed claim is followed by an untimed completion of its lease
   (freeing its key's slot) and an enqueue of one job of the same shape, so depth and key counts
   hold. Each connection claims with its own `KnownOrderings`, as a replica does. The ratios of
-  policies and of fair to plain are the figures (target: within 1.5x).
+  policies and of fair to plain are the figures (target: within 1.5x). A fourth database has
+  fair's worst shape (store/ordering.py, "The fair pick"): in each workspace one hot project owns
+  the front of the queue (HOT_SHARE of its rows, the highest priority, the oldest, no key) and
+  holds HOT_LEASES leases that never end, so no claim takes its rows and each walks past them
+  and probes every project; its ratio to plain is reported beside the others.
 * reaper: one replica with its maintenance at the configured defaults; HTTP runners run the
   whole lifecycle (bench/throughput.py) from a queue kept topped up; then S leases that went
   stale an hour ago are inserted in one transaction. Time until the reaper has expired all of
@@ -68,6 +72,8 @@ PROJECTS = 1_000
 PRIORITIES = 5
 KEYS = 10_000
 KEY_LIMIT = 2
+HOT_SHARE = 0.5  # of the rows in the hot-front variant: the hot projects' (one a workspace)
+HOT_LEASES = 4  # leases each hot project holds throughout
 STALE = 10_000
 REAPER_RUNNERS = 20
 REAPER_WINDOW = 15.0
@@ -413,6 +419,42 @@ async def _fill_ordered(
     await conn.execute("VACUUM ANALYZE pending_jobs")
 
 
+async def _hot_front(
+    conn: asyncpg.Connection, workspaces: list[uuid.UUID], rows: int
+) -> list[uuid.UUID]:
+    """Fair's worst shape on top of `_fill_ordered`'s rows: in each workspace a hot project of
+    `rows` jobs of the highest priority, older than every other, holding HOT_LEASES leases
+    (claimed while the workspace is plain). Returns the hot projects."""
+    hot = [uuid.uuid4() for _ in workspaces]
+    await conn.execute(
+        """
+        INSERT INTO pending_jobs (workspace_id, workflow_run_id, workflow_run_attempt_id, job_id,
+                                  job_execution_id, project_id, required_labels, payload,
+                                  created_at, priority)
+        SELECT ($1::uuid[])[1 + g % cardinality($1::uuid[])], gen_random_uuid(),
+               gen_random_uuid(), gen_random_uuid(), gen_random_uuid(),
+               ($2::uuid[])[1 + g % cardinality($2::uuid[])],
+               ARRAY['linux'], '{}'::jsonb, $4::timestamptz + g * interval '1 microsecond', $5
+        FROM generate_series(0, $3 - 1) AS g
+        """,
+        workspaces,
+        hot,
+        rows,
+        datetime.now(UTC) - timedelta(hours=2),
+        PRIORITIES // 2,
+    )
+    await conn.execute("VACUUM ANALYZE pending_jobs")
+    for workspace, project in zip(workspaces, hot, strict=True):
+        await ordering.set_workspace_ordering(conn, workspace, ordering.Ordering.FIFO)
+        for _ in range(HOT_LEASES):
+            session = await harness.manual_session(conn, workspace)
+            claimed = await claiming.claim(conn, session)
+            assert claimed is not None
+            assert claimed.identity.project_id == project
+        await ordering.set_workspace_ordering(conn, workspace, ordering.Ordering.FAIR)
+    return hot
+
+
 def _ordered_job(workspace: uuid.UUID, projects: list[uuid.UUID], policies: bool) -> NewJob:
     job = harness.new_job(workspace)
     if not policies:
@@ -448,21 +490,27 @@ async def ordering_latency(server: str, depth: int, samples: int) -> dict[str, A
         "priorities": PRIORITIES,
         "keys": KEYS,
         "key_limit": KEY_LIMIT,
+        "hot_share": HOT_SHARE,
+        "hot_leases": HOT_LEASES,
         "variants": {},
     }
     variants = (
-        ("plain_fifo", False, False),
-        ("priority_and_keys", True, False),
-        ("fair_priority_and_keys", True, True),
+        ("plain_fifo", False, False, False),
+        ("priority_and_keys", True, False, False),
+        ("fair_priority_and_keys", True, True, False),
+        ("fair_hot_front", True, True, True),
     )
-    for name, policies, fair in variants:
+    for name, policies, fair, hot in variants:
         url = await harness.fresh_database(server)
         conn = await asyncpg.connect(url)
         try:
             workspaces = [uuid.uuid4() for _ in range(WORKSPACES)]
             projects = [uuid.uuid4() for _ in range(PROJECTS)]
             started = time.monotonic()
-            await _fill_ordered(conn, workspaces, projects, depth, policies, fair)
+            hot_rows = int(depth * HOT_SHARE) if hot else 0
+            await _fill_ordered(conn, workspaces, projects, depth - hot_rows, policies, fair)
+            if hot:
+                await _hot_front(conn, workspaces, hot_rows)
             filled_s = time.monotonic() - started
             after = _complete_and_refill(projects, policies)
             one, many = await _latencies(url, await _claimers(conn, workspaces), samples, after)
@@ -482,8 +530,10 @@ async def ordering_latency(server: str, depth: int, samples: int) -> dict[str, A
     plain, ordered = found["variants"]["plain_fifo"], found["variants"]["priority_and_keys"]
     found["ratio_policies_to_plain"] = _ratios(ordered, plain)
     found["ratio_fair_to_plain"] = _ratios(found["variants"]["fair_priority_and_keys"], plain)
+    found["ratio_fair_hot_front_to_plain"] = _ratios(found["variants"]["fair_hot_front"], plain)
     print(f"policies / plain: {found['ratio_policies_to_plain']}")
     print(f"fair / plain: {found['ratio_fair_to_plain']}")
+    print(f"fair, hot front / plain: {found['ratio_fair_hot_front_to_plain']}")
     return found
 
 

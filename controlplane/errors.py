@@ -6,13 +6,14 @@ the subclasses of `ControlPlaneError`, and takes the status from web/errors.py's
 A new class is catalogued by being defined; no table lists the codes.
 
 A class may be raised with another `code=` than its own (a variant that shares its status);
-such a variant gets a class of its own here so that the catalogue knows it.
+such a variant gets a class of its own here so that the catalogue knows it. A class always
+raised with the same words declares them as its `default_message` and is raised bare.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 from uuid import UUID
 
 
@@ -23,8 +24,15 @@ class ControlPlaneError(Exception):
     is a bug of ours (500)."""
 
     code = "server-error"
+    default_message: ClassVar[str | None] = None
 
-    def __init__(self, message: str, *, code: str | None = None, **details: Any) -> None:
+    def __init__(
+        self, message: str | None = None, *, code: str | None = None, **details: Any
+    ) -> None:
+        if message is None:
+            if self.default_message is None:
+                raise TypeError(f"{type(self).__name__} is raised with its message")
+            message = self.default_message
         super().__init__(message)
         self.message = message
         self.details = details
@@ -98,9 +106,7 @@ class Unauthorized(ControlPlaneError):
     Credentials we cannot accept; the variants below say which when the credential is known."""
 
     code = "unauthorized"
-
-    def __init__(self, message: str = "missing or invalid credentials", *, code: str | None = None):
-        super().__init__(message, code=code)
+    default_message = "missing or invalid credentials"
 
 
 class ApiKeyRevoked(Unauthorized):
@@ -119,9 +125,7 @@ class RegistrationTokenExpired(Unauthorized):
     """the registration token expired"""
 
     code = "registration-token-expired"
-
-    def __init__(self) -> None:
-        super().__init__("the registration token expired")
+    default_message = "the registration token expired"
 
 
 class ManualRegistrationTokenRevoked(Unauthorized):
@@ -156,9 +160,7 @@ class ReadOnlyKey(Forbidden):
     """an observer admin key asked for a change (anything but GET)"""
 
     code = "admin-key-read-only"
-
-    def __init__(self) -> None:
-        super().__init__("this admin key is an observer: it may only read")
+    default_message = "this admin key is an observer: it may only read"
 
 
 # ------------------------------------------------------------------------------------------ 404
@@ -174,18 +176,14 @@ class LeaseJobMismatch(NotFound):
     """the lease is for another execution"""
 
     code = "lease-job-mismatch"
-
-    def __init__(self) -> None:
-        super().__init__("The lease token is for another job execution")
+    default_message = "The lease token is for another job execution"
 
 
 class RunningJobExecutionNotFound(NotFound):
     """this session holds no lease on the execution"""
 
     code = "running-job-execution-not-found"
-
-    def __init__(self) -> None:
-        super().__init__("Running job execution not found")
+    default_message = "Running job execution not found"
 
 
 # ------------------------------------------------------------------------------------------ 409
@@ -237,18 +235,14 @@ class RegistrationTokenConsumed(Conflict):
     """the ephemeral registration token was already used"""
 
     code = "registration-token-consumed"
-
-    def __init__(self) -> None:
-        super().__init__("the ephemeral registration token was already used")
+    default_message = "the ephemeral registration token was already used"
 
 
 class RunnerSessionExhausted(Conflict):
     """a capped session is used up"""
 
     code = "runner-session-exhausted"
-
-    def __init__(self) -> None:
-        super().__init__("The runner session has no claims left")
+    default_message = "The runner session has no claims left"
 
 
 class EphemeralTokenActive(Conflict):
@@ -322,9 +316,7 @@ class RateLimitUnavailable(Unavailable):
     """the registration rate limiter failed or timed out"""
 
     code = "runners-rate-limit-unavailable"
-
-    def __init__(self) -> None:
-        super().__init__("the registration rate limiter is unavailable; retry")
+    default_message = "the registration rate limiter is unavailable; retry"
 
 
 class ShuttingDown(Unavailable):
@@ -408,12 +400,7 @@ class BootstrapTokenInvalid(Unauthorized):
     Raised by a booting runner's exchange for a control session (spec 4.3)."""
 
     code = "runner-bootstrap-token-invalid"
-
-    def __init__(self) -> None:
-        super().__init__(
-            "the bootstrap token is unknown, used, revoked or expired",
-            code="runner-bootstrap-token-invalid",
-        )
+    default_message = "the bootstrap token is unknown, used, revoked or expired"
 
 
 class ControlSessionInvalid(Conflict):

@@ -1,5 +1,6 @@
 """bench/installation.py's pure parts: its sizes and flags, the backlog's skew, the profile
-summary. (The bench itself runs against daemons: `python -m bench.installation --smoke`.)"""
+summary, and installation_timeline's stages of a probe. (The bench itself runs against daemons:
+`python -m bench.installation --smoke`.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import installation
+from bench import installation, installation_timeline
 
 
 def test_defaults_are_the_issue_sizes() -> None:
@@ -63,3 +64,28 @@ def test_profile_summary_shares_and_missing_file(tmp_path: Path) -> None:
         ("installation_walk (controlplane/actors/provisioning/rounds.py)", 50.0)
     ]
     assert installation.profile_summary(tmp_path / "absent.txt")["file"] is None
+
+
+def test_the_grant_probes_profile_lies_beside_the_rounds_one(tmp_path: Path) -> None:
+    rounds = tmp_path / "installation_profile.txt"
+    assert installation.grant_profile(rounds) == tmp_path / "installation_profile_grants.txt"
+
+
+def test_a_probe_s_stages_come_from_the_replica_s_stamps_between_enqueue_and_grant() -> None:
+    stamp = {"start": 100.0, "answered": 100.004, "granted": 100.050}
+    events = [
+        {"t": 99.0, "what": "round_start"},  # an earlier round: not this probe's
+        {"t": 100.003, "what": "notify"},
+        {"t": 100.0032, "what": "round_start"},
+        {"t": 100.021, "what": "walk_workspaces", "dur_ms": "17.5", "start": 100.0035},
+        {"t": 100.022, "what": "outstanding_grants", "dur_ms": "0.5", "start": 100.0215},
+        {"t": 100.040, "what": "allocate_in_walk", "dur_ms": "15.0", "start": 100.025},
+        {"t": 100.045, "what": "round_end"},
+    ]
+    found = installation_timeline.stages(stamp, events)
+    assert found is not None
+    assert (found["rounds"], found["transactions"], found["figure_reads"]) == (1, 1, 0)
+    assert round(found["total"], 1) == 50.0 and round(found["round_started"], 1) == 3.2
+    assert round(found["replica_python_ms"], 1) == round(41.8 - 33.0, 1)
+    assert round(found["round_end_to_received_ms"], 1) == 5.0
+    assert installation_timeline.stages({**stamp, "granted": None}, events) is None

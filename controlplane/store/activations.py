@@ -13,6 +13,8 @@ from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
+import asyncpg
+
 from controlplane.domain import tokens
 from controlplane.domain.control_sessions import ActivationGrant, activation_refusal, may_activate
 from controlplane.domain.labels import LabelSet
@@ -20,7 +22,7 @@ from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import Unauthorized
 from controlplane.store import sessions
 from controlplane.store.pool import Conn
-from controlplane.store.records import row_by_digest
+from controlplane.store.records import found_by_digest
 from controlplane.store.reservations import (
     lock_assignments,
     lock_reservations,
@@ -89,8 +91,9 @@ async def has_pending_assignment(conn: Conn, runner_instance_id: UUID) -> bool:
 async def activation_by_digest(conn: Conn, sha256: str) -> ActivationGrant | None:
     """The activation token with this digest if it is unconsumed, unrevoked and unexpired, its
     provisioner is not revoked (or gone), and its runner is assigned and not activated."""
-    row = await row_by_digest(
+    return await found_by_digest(
         conn,
+        _grant,
         """
         SELECT t.id, t.token_sha256, t.runner_instance_id, ri.provisioner_id, ri.workspace_id,
                p.scope
@@ -103,8 +106,9 @@ async def activation_by_digest(conn: Conn, sha256: str) -> ActivationGrant | Non
         """,
         sha256,
     )
-    if row is None:
-        return None
+
+
+def _grant(row: asyncpg.Record) -> ActivationGrant:
     return ActivationGrant(
         row["id"], row["runner_instance_id"], row["provisioner_id"], row["scope"],
         row["workspace_id"],

@@ -38,7 +38,7 @@ from controlplane.errors import (
 )
 from controlplane.store.activations import issue_locked
 from controlplane.store.pool import Conn
-from controlplane.store.records import json_text, row_by_digest
+from controlplane.store.records import found_by_digest, json_text
 from controlplane.store.reservations import lock_assignments, lock_reservations, lock_runners
 from controlplane.store.runner_instances import assign_locked
 
@@ -95,8 +95,9 @@ async def exchange_bootstrap(conn: Conn, raw_token: str, control_ttl: timedelta)
 async def control_session_by_digest(conn: Conn, sha256: str) -> ControlSession | None:
     """The open, unexpired control session with this token digest whose provisioner token is
     not revoked (or no longer exists; provisioner expiry is not checked, as in spec 4.4)."""
-    row = await row_by_digest(
+    return await found_by_digest(
         conn,
+        _control_session,
         """
         SELECT cs.id, cs.token_sha256, cs.runner_instance_id, cs.provisioner_id, cs.expires_at,
                p.scope
@@ -107,8 +108,9 @@ async def control_session_by_digest(conn: Conn, sha256: str) -> ControlSession |
         """,
         sha256,
     )
-    if row is None:
-        return None
+
+
+def _control_session(row: asyncpg.Record) -> ControlSession:
     return ControlSession(
         row["id"], row["runner_instance_id"], row["provisioner_id"], row["scope"], row["expires_at"]
     )

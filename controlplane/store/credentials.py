@@ -25,7 +25,7 @@ from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import NotFound
 from controlplane.store import pages, provisioners
 from controlplane.store.pool import Conn
-from controlplane.store.records import insert_token, row_by_digest
+from controlplane.store.records import TokenTable, found_by_digest
 
 
 def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
@@ -43,10 +43,16 @@ def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
     )
 
 
+def _manual_token(row: asyncpg.Record) -> Credential:
+    return _credential(row, "manual-registration")
+
+
 _COLUMNS = (
     "id, name, workspace_id, display_prefix, created_at, expires_at, revoked_at, revocation_reason"
 )
 _KEY_COLUMNS = f"kind, role, {_COLUMNS}"  # an API key's
+_API_KEYS = TokenTable("api_keys", _KEY_COLUMNS, _credential)
+_MANUAL_TOKENS = TokenTable("manual_registration_tokens", _COLUMNS, _manual_token)
 # For a read elsewhere that joins the key in (store/ui_sessions.py `by_secret`).
 API_KEY_COLUMNS = _KEY_COLUMNS
 
@@ -60,9 +66,33 @@ def api_key(row: asyncpg.Record) -> Credential:
 _USABLE = "revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now())"
 
 
-# The first revocation sets the time and the reason ($2); later ones change neither.
-_REVOKE = """revoked_at = COALESCE(revoked_at, now()),
-    revocation_reason = CASE WHEN revoked_at IS NULL THEN $2::text ELSE revocation_reason END"""
+async def _revoke(
+    conn: Conn,
+    family: TokenTable[Credential],
+    token_id: UUID,
+    reason: str | None,
+    workspace_id: UUID | None,
+    missing: str,
+) -> Credential:
+    """Revoke one token of `family` (with `workspace_id`, only that workspace's): the first
+    revocation sets the time and the reason, later ones change neither. NotFound (`missing`)
+    when there is no such token."""
+    row = await conn.fetchrow(
+        f"""
+        UPDATE {family.table}
+           SET revoked_at = COALESCE(revoked_at, now()),
+               revocation_reason = CASE WHEN revoked_at IS NULL THEN $2::text
+                                        ELSE revocation_reason END
+         WHERE id = $1 AND ($3::uuid IS NULL OR workspace_id = $3)
+        RETURNING {family.columns}
+        """,  # noqa: S608 -- interpolates constants only: a family's table and columns
+        token_id,
+        reason,
+        workspace_id,
+    )
+    if row is None:
+        raise NotFound(missing, id=str(token_id))
+    return family.into(row)
 
 
 # Signing keys ---------------------------------------------------------------------------------
@@ -138,13 +168,13 @@ async def create_api_key(
 ) -> tuple[Credential, str]:
     token = token or tokens.new_opaque(Family(kind).token_kind)
     fields = {"kind": kind, "name": name, "workspace_id": workspace_id, "role": role.value}
-    row = await insert_token(conn, "api_keys", fields, token, ttl, _KEY_COLUMNS)
-    return _credential(row), token.raw
+    return await _API_KEYS.insert(conn, fields, token, ttl), token.raw
 
 
 async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | None:
-    row = await row_by_digest(
+    return await found_by_digest(
         conn,
+        _credential,
         f"""
         SELECT token_sha256, {_KEY_COLUMNS} FROM api_keys
         WHERE token_sha256 = $1 AND kind = $2
@@ -152,14 +182,10 @@ async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | 
         sha256,
         kind,
     )
-    if row is None:
-        return None
-    return _credential(row)
 
 
 async def api_key_by_id(conn: Conn, key_id: UUID) -> Credential | None:
-    row = await conn.fetchrow(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = $1", key_id)  # noqa: S608 -- interpolates constants only: _KEY_COLUMNS
-    return None if row is None else _credential(row)
+    return await _API_KEYS.by_id(conn, key_id)
 
 
 async def list_api_keys(
@@ -179,17 +205,7 @@ async def list_api_keys(
 
 async def revoke_api_key(conn: Conn, key_id: UUID, *, reason: str | None = None) -> Credential:
     """Idempotent: revoking twice keeps the first revocation time and reason."""
-    row = await conn.fetchrow(
-        f"""
-        UPDATE api_keys SET {_REVOKE} WHERE id = $1
-        RETURNING {_KEY_COLUMNS}
-        """,  # noqa: S608 -- interpolates constants only: _REVOKE, _KEY_COLUMNS
-        key_id,
-        reason,
-    )
-    if row is None:
-        raise NotFound("no such API key", id=str(key_id))
-    return _credential(row)
+    return await _revoke(conn, _API_KEYS, key_id, reason, None, "no such API key")
 
 
 # Manual registration tokens ---------------------------------------------------------------------
@@ -205,27 +221,15 @@ async def create_manual_token(
 ) -> tuple[Credential, str]:
     token = token or tokens.new_opaque(tokens.Kind.MANUAL_REGISTRATION)
     fields = {"workspace_id": workspace_id, "name": name}
-    row = await insert_token(conn, "manual_registration_tokens", fields, token, ttl, _COLUMNS)
-    return _credential(row, "manual-registration"), token.raw
+    return await _MANUAL_TOKENS.insert(conn, fields, token, ttl), token.raw
 
 
 async def manual_token_by_digest(conn: Conn, sha256: str) -> Credential | None:
-    row = await row_by_digest(
-        conn,
-        f"SELECT token_sha256, {_COLUMNS} FROM manual_registration_tokens WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
-        sha256,
-    )
-    if row is None:
-        return None
-    return _credential(row, "manual-registration")
+    return await _MANUAL_TOKENS.by_digest(conn, sha256)
 
 
 async def manual_token_by_id(conn: Conn, token_id: UUID) -> Credential | None:
-    row = await conn.fetchrow(
-        f"SELECT {_COLUMNS} FROM manual_registration_tokens WHERE id = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
-        token_id,
-    )
-    return None if row is None else _credential(row, "manual-registration")
+    return await _MANUAL_TOKENS.by_id(conn, token_id)
 
 
 async def list_manual_tokens(
@@ -249,7 +253,7 @@ async def list_manual_tokens(
         workspace_id,
         usable_only,
     )
-    return [_credential(row, "manual-registration") for row in rows]
+    return [_manual_token(row) for row in rows]
 
 
 async def revoke_manual_token(
@@ -257,19 +261,9 @@ async def revoke_manual_token(
 ) -> Credential:
     """Idempotent, keeping the first time and reason. With `workspace_id`, a token of another
     workspace is not found."""
-    row = await conn.fetchrow(
-        f"""
-        UPDATE manual_registration_tokens SET {_REVOKE}
-        WHERE id = $1 AND ($3::uuid IS NULL OR workspace_id = $3)
-        RETURNING {_COLUMNS}
-        """,  # noqa: S608 -- interpolates constants only: _REVOKE, _COLUMNS
-        token_id,
-        reason,
-        workspace_id,
+    return await _revoke(
+        conn, _MANUAL_TOKENS, token_id, reason, workspace_id, "no such registration token"
     )
-    if row is None:
-        raise NotFound("no such registration token", id=str(token_id))
-    return _credential(row, "manual-registration")
 
 
 # Any family, for the admin API and the `tokens` command ------------------------------------------

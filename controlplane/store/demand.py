@@ -27,7 +27,7 @@ from controlplane.domain.demand import (
     live_reservation_ids,
     without_pending,
 )
-from controlplane.domain.labels import LabelSet, canonicalise
+from controlplane.domain.labels import LabelSet, canonicalise, matches
 from controlplane.domain.rounds import Grant, WalkEntry, WorkspaceRound
 from controlplane.domain.terminate_intents import TerminateIntent
 from controlplane.errors import BindingMismatch
@@ -166,9 +166,15 @@ async def allocate_workspace(
     try_lock: bool = False,
     terminate_limit: int = 1000,
     activation_timeout: timedelta | None = None,
+    fingerprint: bool = False,
 ) -> WorkspaceRound | None:
     """One allocation round for one workspace, in one transaction (the steps of
     `domain.demand`). Returns None when `try_lock` finds the workspace busy.
+
+    With `fingerprint` (a walk's round), the round carries the fingerprint of the workspace's
+    live reservations as it leaves them (`WorkspaceRound.reservations`, read after its writes),
+    except when it left demand that a template takes to the workspace's own provisioners
+    (`covering_window`): those figures change with time alone, so no walk may carry them.
 
     Locks, in this order: the workspace advisory lock (blocking, or try with `try_lock`); the
     assignment locks of the provisioner's live reservations in the workspace, in one statement
@@ -269,6 +275,9 @@ async def allocate_workspace(
                 activation_timeout=activation_timeout,
                 limit=terminate_limit,
             )
+        kept = None
+        if fingerprint and not _left_to_own(inputs, allocation):
+            kept = int(await conn.fetchval(FINGERPRINT.format(workspace="$1"), workspace_id))
         return WorkspaceRound(
             workspace_id=workspace_id,
             allocation=allocation,
@@ -278,7 +287,19 @@ async def allocate_workspace(
             terminate_intents=intents,
             terminate_truncated=truncated,
             covered=covers(inputs, allocation),
+            reservations=kept,
         )
+
+
+def _left_to_own(inputs: AllocationInputs, allocation: Allocation) -> bool:
+    """Whether the round left a demand group that one of its templates takes to the
+    workspace's own provisioners (`covering_labels`): such a group has no figure."""
+    figured = {s.labels for s in allocation.stats}
+    return any(
+        group.labels not in figured
+        and any(matches(group.labels, t.labels) for t in inputs.templates)
+        for group in inputs.demand
+    )
 
 
 # --- installation scope --------------------------------------------------------------------------
@@ -435,8 +456,9 @@ async def allocate_in_walk(
     no slot (they already run).
 
     The round carries the fingerprint of the workspace's live reservations as it leaves them
-    (`WorkspaceRound.reservations`, read after its writes under the workspace lock), so a walk
-    that granted can tell next time that nothing changed since (actors/provisioning/changes.py).
+    (`WorkspaceRound.reservations`, read after its writes under the workspace lock; None when it
+    left demand to the workspace's own provisioners), so a walk can tell next time that nothing
+    changed since and carry the round's figures (actors/provisioning/changes.py).
 
     Locks: runs in the caller's transaction, after the session's fencing row
     (store/provisioning.py opens it), then those of `allocate_workspace`; the fingerprint's read
@@ -445,7 +467,7 @@ async def allocate_in_walk(
     advertised = tuple(replace(t, labels=canonicalise(t.labels)) for t in templates)
     pending = await outstanding_grants(conn, provisioner_id)
     elsewhere = [(r, n) for r, n in pending if r.workspace_id != workspace_id]
-    result = await allocate_workspace(
+    return await allocate_workspace(
         conn,
         provisioner_id=provisioner_id,
         scope=Scope.INSTALLATION,
@@ -457,8 +479,5 @@ async def allocate_in_walk(
         covering_window=covering_window,
         try_lock=True,
         activation_timeout=activation_timeout,
+        fingerprint=True,
     )
-    if result is None:
-        return None
-    fingerprint = await conn.fetchval(FINGERPRINT.format(workspace="$1"), workspace_id)
-    return replace(result, reservations=int(fingerprint))

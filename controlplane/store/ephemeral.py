@@ -48,7 +48,7 @@ from controlplane.errors import (
 from controlplane.errors import RegistrationTokenExpired as RegistrationTokenExpired
 from controlplane.store import locks, sessions
 from controlplane.store.pool import Conn
-from controlplane.store.records import row_by_digest
+from controlplane.store.records import found_by_digest, from_row
 from controlplane.store.reservations import lock_assignments, lock_workspace
 
 log = logging.getLogger("controlplane.ephemeral")
@@ -217,28 +217,23 @@ class Presented:
 
 async def presented(conn: Conn, sha256: str) -> Presented | None:
     """The token with this digest, whatever its state (one indexed read, no lock)."""
-    row = await row_by_digest(
+    return await found_by_digest(
         conn,
+        _presented,
         """
-        SELECT t.id, t.token_sha256, t.workspace_id, t.provisioner_id, t.provider_runner_id,
-               t.expires_at <= now() AS expired, p.scope, p.revoked_at IS NOT NULL AS revoked
+        SELECT t.id AS token_id, t.token_sha256, t.workspace_id, t.provisioner_id,
+               t.provider_runner_id, t.expires_at <= now() AS expired,
+               p.scope AS provisioner_scope, p.revoked_at IS NOT NULL AS revoked
           FROM ephemeral_registration_tokens t
           LEFT JOIN provisioner_tokens p ON p.id = t.provisioner_id
          WHERE t.token_sha256 = $1
         """,
         sha256,
     )
-    if row is None:
-        return None
-    return Presented(
-        token_id=row["id"],
-        workspace_id=row["workspace_id"],
-        provisioner_id=row["provisioner_id"],
-        provisioner_scope=row["scope"],
-        provider_runner_id=row["provider_runner_id"],
-        expired=row["expired"],
-        provisioner_revoked=bool(row["revoked"]),
-    )
+
+
+def _presented(row: asyncpg.Record) -> Presented:
+    return from_row(Presented, row, provisioner_revoked=bool(row["revoked"]))
 
 
 async def count_attempt(

@@ -18,7 +18,7 @@ from uuid import UUID
 
 from controlplane.domain.jobs import EventType, JobIdentity
 from controlplane.store.pool import Conn
-from controlplane.store.records import json_text, json_value
+from controlplane.store.records import from_row, json_text, json_value
 
 # Wakes event-feed long-polls on every replica. Claims and completions, two of the three commits
 # of every job, do not notify: a NOTIFY takes a database-wide lock held through the commit's WAL
@@ -129,18 +129,7 @@ async def read(
         workspace_id,
         limit,
     )
-    return [
-        Event(
-            xid=row["xid"],
-            seq=row["seq"],
-            event_type=row["event_type"],
-            workspace_id=row["workspace_id"],
-            job_execution_id=row["job_execution_id"],
-            payload=json_value(row["payload"]),
-            created_at=row["created_at"],
-        )
-        for row in rows
-    ]
+    return [from_row(Event, row, payload=json_value(row["payload"])) for row in rows]
 
 
 async def stable_mark(conn: Conn) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from controlplane.domain.fleet import InstanceFacts
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.runner_instances import ACTIVE_STATES, RunnerState
 from controlplane.store.pool import Conn
+from controlplane.store.records import from_row
 from controlplane.store.reservations import BOOTING_SQL
 
 _ACTIVE = sorted(ACTIVE_STATES)
@@ -72,34 +73,12 @@ SELECT ri.id, ri.provisioner_id, pt.scope AS provisioner_scope, pt.name AS provi
 
 def _row(row: asyncpg.Record) -> InstanceRow:
     state = RunnerState(row["state"])
-    return InstanceRow(
-        id=row["id"],
-        provisioner_id=row["provisioner_id"],
-        provisioner_scope=row["provisioner_scope"],
-        provisioner_name=row["provisioner_name"],
-        workspace_id=row["workspace_id"],
-        provider_runner_id=row["provider_runner_id"],
-        provider_kind=row["provider_kind"],
-        launch_kind=row["launch_kind"],
-        template_key=row["template_key"],
+    return from_row(
+        InstanceRow,
+        row,
         labels=tuple(row["labels"]),
         state=state,
-        reason=row["reason"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        reported_at=row["reported_at"],
-        assigned_at=row["assigned_at"],
-        first_claimed_at=row["first_claimed_at"],
-        closed_at=row["closed_at"],
-        facts=InstanceFacts(
-            state=state,
-            workspace_id=row["workspace_id"],
-            runner_session_id=row["runner_session_id"],
-            first_claimed_at=row["first_claimed_at"],
-            control_session_live=row["control_session_live"],
-            reported_at=row["reported_at"],
-            provisioner_last_seen_at=row["provisioner_last_seen_at"],
-        ),
+        facts=from_row(InstanceFacts, row, state=state),
     )
 
 
@@ -188,17 +167,7 @@ async def live_reservations(conn: Conn, workspace_id: UUID | None) -> list[LiveR
         """,
         workspace_id,
     )
-    return [
-        LiveReservations(
-            workspace_id=row["workspace_id"],
-            labels=tuple(row["required_labels"]),
-            kind=row["kind"],
-            reservations=row["reservations"],
-            units=row["units"],
-            next_expiry=row["next_expiry"],
-        )
-        for row in rows
-    ]
+    return [from_row(LiveReservations, row, labels=tuple(row["required_labels"])) for row in rows]
 
 
 @dataclass(frozen=True, slots=True)

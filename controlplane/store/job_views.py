@@ -18,6 +18,7 @@ import asyncpg
 
 from controlplane.domain.waiting import PLACE_CAP, QueuePlace, Takers
 from controlplane.store.pool import Conn
+from controlplane.store.records import from_row
 
 STATUSES = ("pending", "running", "ended")
 
@@ -280,18 +281,7 @@ async def queue_place(conn: Conn, job_execution_id: UUID) -> QueuePlace | None:
     """Where the pending execution stands in its workspace's queue; None when it is not pending.
     One statement, reads only."""
     row = await conn.fetchrow(_PLACE, job_execution_id, PLACE_CAP)
-    if row is None:
-        return None
-    return QueuePlace(
-        ahead=row["ahead"],
-        ahead_higher_priority=row["higher"],
-        priority=row["priority"],
-        concurrency_key=row["concurrency_key"],
-        concurrency_limit=row["concurrency_limit"],
-        key_running=row["key_running"],
-        workspace_paused=row["workspace_paused"],
-        expired=row["expired"],
-    )
+    return None if row is None else from_row(QueuePlace, row, ahead_higher_priority=row["higher"])
 
 
 # Every pending (workspace, label set) with its takers, in one statement: the runners and

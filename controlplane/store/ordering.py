@@ -6,12 +6,33 @@ walked on the index `pending_jobs (workspace_id, priority DESC, created_at, id)`
 priority 0 that walk is the one the old FIFO index gave. `fair`: a job's share is the running
 executions of its project plus its place among its project's claimable jobs (1 for the head), so
 the project with the fewest running goes first and the next of the same project is weighed as if
-its head already ran; ties by priority, then age. Fair walks each project's head on the index
-`pending_jobs (workspace_id, project_id, priority DESC, created_at, id)` (sql/0024) and counts its
-leases (`fair_pick`): a claim's cost grows with the workspace's projects, not its pending rows.
+its head already ran; ties by priority, then age.
+
+The fair pick (`fair_pick`). A row's fair key is (share, -priority, created_at, id); the rows of
+share 1 are exactly the heads (first claimable rows) of the projects with no lease. The plain
+walk, with the plain claim's filter and on its index, meets each project's head before the
+project's other rows, so the first `limit` rows of projects with no lease, one per project, in
+walk order, are the best `limit` rows of share 1: when there are that many, they are the pick
+(`_free_heads`). A single claim stops at the first such row, which is its project's head since
+every row before it is of a leased project: where the walk's first row has no lease on its
+project (the plain pick; no project can have a share below 1), the fair claim costs the plain
+walk and one probe of `running_jobs (workspace_id, project_id)`. The walk is bounded (FAIR_WALK
+rows beyond the claim's), so a leased project owning the front of the queue costs at most that
+many rows stepped over, never its backlog. When the heads found are too few: a walk that ended
+before its bound holds every claimable row, and ranking it (each row's share counted) is the full
+ranking; otherwise every project with pending rows is probed (`_every_project`: a skip scan of
+`pending_jobs (workspace_id, project_id, priority DESC, created_at, id)`, sql/0024, each one's
+leases counted and its first rows walked), which costs the workspace's projects. A batch takes
+its rows by the same three ways: the k-th row of a project has share running + k, so the first
+rows of the ranking are those found, in the same order (tests/store/test_fair_pick.py compares
+all three ways with the full ranking, row for row). One statement holds all three; one-time
+filters (InitPlans, evaluated when first read, `AND` stopping at the first false) run only the
+ways a claim needs. It is SQL built here rather than a plpgsql function (which would need a
+migration): it stays one statement of the claim, the tests call it with any walk bound, and its
+plans are the planner's like every other claim's.
 
 One statement per ordering. A claim runs the plain statement (`fifo_candidates`: the index walk
-alone) or the fair one (`fair_candidates`: the project-head walk alone), never one carrying both:
+alone) or the fair one (`fair_candidates`: the fair pick alone), never one carrying both:
 a statement with both picks made every plain claim plan and start the fair one too (planning
 0.58 -> 1.1 ms, execution 0.3 -> 0.6 ms per claim). The claim picks the statement by the
 replica's `KnownOrderings` (plain unless it has seen the workspace order fairly). Each pick keeps
@@ -42,9 +63,15 @@ are never NULL, so it decides the same), and sql/0028 has it guess a workspace a
 pending rows; with both, stopping at the first claimable row costs a small fraction of the sort
 (tests/store/test_ordering_choice.py forces the statistics of such installations).
 
-The fair pick keeps the planner's view (`CLAIMABLE`): estimating a project's claimable
-rows at 0.5% it would sort each project's rows instead of walking its head (at 3,000 pending,
-2.0 against 0.33 ms), so a fair claim is planned each time.
+The fair pick reads the same `PLAIN_CLAIMABLE`, so it keeps a generic plan too, and its walks'
+bounds are one-time subqueries (a LIMIT of unknown value is planned as 10% of the rows): with a
+constant bound above the few claimable rows the planner expected, its plans sorted every row of
+the workspace (10,000 for one claim) or of each project instead of walking them in index order.
+Its reads of running_jobs (whether a walked row's project holds a lease, the leases by project
+when every project is probed) are planned against a small table as reads of all of it, and the
+kept plan goes on reading it whole as its dead rows grow until autovacuum: with every project
+leased (200 leases) that was measured to slow fair claims where a plan made at each claim did
+not (docs/benchmarks.md, notes on the fair pick from the plain walk; not fixed).
 
 Concurrency keys. A keyed job is claimable only while its key's `running` count
 (`concurrency_keys`, kept by triggers on `running_jobs`, sql/0012_ordering.sql) is below its
@@ -106,12 +133,13 @@ _CLAIMABLE = """workspace_id = $1 AND required_labels <@ LABELS
             AND (expires_at IS NULL OR expires_at > now())
             AND NOT EXISTS (SELECT 1 FROM paused_workspaces WHERE workspace_id = $1)"""
 
-# As the fair pick reads it: the planner sees the labels and the rows stepped over (each claim's
-# plan is its own, module docstring).
+# With the labels and the rows stepped over as plain parameters, for statements planned each
+# time (tests/store/test_fair_pick.py's full ranking); the claims read `PLAIN_CLAIMABLE`.
 CLAIMABLE = _CLAIMABLE.replace("LABELS", "$2::text[]").replace("STEPPED_OVER", "$3::uuid[]")
 
-# As the plain pick reads it: the labels and the rows stepped over as one-time subqueries, so the
-# planner estimates them as it would in a generic plan and keeps one (module docstring).
+# As the plain and the fair pick read it: the labels and the rows stepped over as one-time
+# subqueries, so the planner estimates them as it would in a generic plan and keeps one (module
+# docstring).
 PLAIN_CLAIMABLE = _CLAIMABLE.replace(
     "required_labels <@ LABELS", "coalesce(required_labels <@ (SELECT $2::text[]), false)"
 ).replace("STEPPED_OVER", "(SELECT $3::uuid[])::uuid[]")
@@ -132,21 +160,65 @@ def fifo_pick(limit: str, also: str) -> str:
           FOR UPDATE SKIP LOCKED"""  # noqa: S608 -- constants and the caller's constant limit
 
 
-def fair_pick(limit: str, also: str) -> str:
-    """The first `limit` claimable rows in fair order, not locked (the caller tries each row's
-    lock, so a row another claim holds is stepped over, not silently replaced), for a workspace
-    that orders fairly; `share` ranks them.
+# How many claimable rows beyond the claim's own the fair pick walks in plain order, looking for
+# the heads of projects with no lease, before it probes every project (module docstring).
+FAIR_WALK = 16
 
-    Each project's rows have shares running + 1, running + 2, ..., so the first `limit` rows
-    overall hold at most each project's first `limit` claimable rows: the pick finds the
-    projects with pending rows by a skip scan (`projects`, one probe of
-    `pending_jobs (workspace_id, project_id, priority DESC, created_at, id)` per project),
-    counts each project's leases (`running_jobs (workspace_id, project_id)`), walks the
-    project's first `limit` claimable rows on the index (`heads`), and ranks those. The result
-    is the full ranking's (tests/store/test_fair_pick.py compares the two row for row); its cost
-    grows with the projects and `limit`, not with the pending rows."""
-    return f"""SELECT {_PICK_COLUMNS}, share FROM (
-              WITH RECURSIVE projects (project_id) AS (
+
+def _leases(row: str) -> str:
+    """The leases of `row`'s project: a probe of `running_jobs (workspace_id, project_id)`."""
+    return f"""(SELECT count(*) FROM running_jobs r
+                 WHERE r.workspace_id = $1 AND r.project_id = {row}.project_id)"""  # noqa: S608
+
+
+def _unleased(row: str) -> str:
+    """Whether `row`'s project holds no lease: a probe of `running_jobs (workspace_id,
+    project_id)` that stops at its first entry."""
+    return f"""NOT EXISTS (SELECT 1 FROM running_jobs r
+                           WHERE r.workspace_id = $1 AND r.project_id = {row}.project_id)"""  # noqa: S608
+
+
+def _walk(limit: str, also: str, bound: int) -> str:
+    """The first `bound` + `limit` claimable rows in plain order, on the plain claim's index."""
+    return f"""SELECT {_PICK_COLUMNS}, project_id FROM pending_jobs
+               WHERE {PLAIN_CLAIMABLE} AND {FAIR}{also}
+               ORDER BY {PLAIN_ORDER}
+               LIMIT (SELECT {bound} + {limit})"""  # noqa: S608 -- constants and the caller's limit
+
+
+def _free_heads(limit: str, also: str, bound: int) -> str:
+    """The first `limit` heads (first claimable rows) of projects with no lease found on the
+    walk, in plain order, each of share 1 and `head`. More than one needs each project's first
+    row on the walk (`nth`), so the walk is read whole. One is taken lazily: the walk stops at
+    the first row of a project with no lease, which is that project's head (every row before it
+    is of a leased project), or else at its last row, returned as no `head`: so no row at all
+    says the walk ended before its bound (it holds every claimable row)."""
+    if limit == "1":
+        return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share, head FROM (
+                       SELECT *, row_number() OVER (ORDER BY {PLAIN_ORDER}) AS step,
+                              {_unleased("w")} AS head
+                       FROM ({_walk(limit, also, bound)}) AS w) AS w
+                   WHERE head OR step = {bound} + 1
+                   ORDER BY {PLAIN_ORDER}
+                   LIMIT 1"""  # noqa: S608 -- constants
+    return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share, true AS head FROM (
+                   SELECT *, row_number() OVER (PARTITION BY project_id ORDER BY {PLAIN_ORDER})
+                          AS nth
+                   FROM ({_walk(limit, also, bound)}) AS w) AS w
+               WHERE nth = 1 AND {_unleased("w")}
+               ORDER BY {PLAIN_ORDER}
+               LIMIT {limit}"""  # noqa: S608 -- constants and the caller's limit
+
+
+def _every_project(limit: str, also: str) -> str:
+    """The first `limit` rows of the full ranking found by probing every project with pending
+    rows: a skip scan of `pending_jobs (workspace_id, project_id, priority DESC, created_at,
+    id)` finds them, and each one's first `limit` claimable rows are walked on that index
+    (sql/0024); the workspace's leases are counted by project in one read of running_jobs (a
+    generic plan may read that small table whole, so once rather than once a project). Each
+    project's rows have shares running + 1, running + 2, ..., so the first `limit` rows overall
+    hold at most each project's first `limit`."""
+    return f"""WITH RECURSIVE projects (project_id) AS (
                   (SELECT project_id FROM pending_jobs
                    WHERE workspace_id = $1 AND {FAIR}{also}
                    ORDER BY project_id LIMIT 1)
@@ -156,18 +228,44 @@ def fair_pick(limit: str, also: str) -> str:
                           ORDER BY n.project_id LIMIT 1)
                   FROM projects WHERE projects.project_id IS NOT NULL
               )
-              SELECT {qualified("heads", _PICK_COLUMNS)}, runs.running + heads.nth AS share
+              SELECT {qualified("heads", _PICK_COLUMNS)},
+                     coalesce(leased.running, 0) + row_number() OVER (
+                         PARTITION BY projects.project_id ORDER BY {PLAIN_ORDER}) AS share
               FROM projects
-              CROSS JOIN LATERAL (SELECT count(*) AS running FROM running_jobs r
-                                  WHERE r.workspace_id = $1
-                                    AND r.project_id = projects.project_id) AS runs
+              LEFT JOIN (SELECT project_id, count(*) AS running FROM running_jobs
+                         WHERE workspace_id = $1 GROUP BY project_id) AS leased
+                     ON leased.project_id = projects.project_id
               CROSS JOIN LATERAL (
-                  SELECT {_PICK_COLUMNS}, row_number() OVER (ORDER BY {PLAIN_ORDER}) AS nth
+                  SELECT {_PICK_COLUMNS}
                   FROM pending_jobs
-                  WHERE {CLAIMABLE} AND project_id = projects.project_id
+                  WHERE {PLAIN_CLAIMABLE} AND project_id = projects.project_id
                   ORDER BY {PLAIN_ORDER}
-                  LIMIT {limit}) AS heads
-              WHERE projects.project_id IS NOT NULL) AS ranked
+                  LIMIT (SELECT {limit})) AS heads
+              WHERE projects.project_id IS NOT NULL"""  # noqa: S608 -- constants
+
+
+def fair_pick(limit: str, also: str, bound: int = FAIR_WALK) -> str:
+    """The first `limit` claimable rows in fair order, not locked (the caller tries each row's
+    lock, so a row another claim holds is stepped over, not silently replaced), for a workspace
+    that orders fairly; `share` ranks them. The first of the three ways (module docstring, "The
+    fair pick") that decides is chosen by one-time filters, so only the ways needed run; `bound`
+    bounds the walk (FAIR_WALK rows beyond the claim's)."""
+    heads = "(SELECT count(*) FROM free WHERE head)"
+    if limit == "1":  # the walk for the heads ended before its bound: no row (`_free_heads`)
+        whole = "NOT EXISTS (SELECT 1 FROM free)"
+    else:
+        whole = f"(SELECT count(*) FROM walk) < {bound} + {limit}"  # noqa: S608
+    return f"""WITH free AS MATERIALIZED ({_free_heads(limit, also, bound)}),
+          walk AS MATERIALIZED ({_walk(limit, also, bound)})
+          SELECT {_PICK_COLUMNS}, share FROM (
+              SELECT {_PICK_COLUMNS}, share FROM free WHERE {heads} >= {limit}
+              UNION ALL
+              SELECT {_PICK_COLUMNS}, {_leases("walk")}
+                     + row_number() OVER (PARTITION BY project_id ORDER BY {PLAIN_ORDER})
+              FROM walk WHERE {heads} < {limit} AND {whole}
+              UNION ALL
+              SELECT * FROM ({_every_project(limit, also)}) AS probed
+              WHERE {heads} < {limit} AND NOT {whole}) AS ranked
           ORDER BY share, {PLAIN_ORDER}
           LIMIT {limit}"""  # noqa: S608 -- constants and the caller's constant limit
 

@@ -38,9 +38,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import asyncpg
 from asyncpg.pool import PoolAcquireContext, PoolConnectionProxy
@@ -52,6 +52,9 @@ log = logging.getLogger("controlplane.pool")
 Pool = asyncpg.Pool
 # A store function runs on a dedicated connection or on one borrowed from the pool.
 Conn = asyncpg.Connection | PoolConnectionProxy
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # Faults that mean the database cannot serve us now, whatever we asked: answered as
 # DatabaseUnavailable (503 with Retry-After over HTTP), never as a bug of ours.
@@ -284,6 +287,26 @@ async def borrow(pool: Pool) -> AsyncIterator[PoolConnectionProxy]:
             await pool.release(conn)
         except Exception as error:
             log.warning("pool.release_failed", extra={"error": repr(error)})
+
+
+class PoolAdapter:
+    """The base of an actor's store over the pool (the `Pool...Store` beside each maintenance
+    job and sweep): each of its methods runs store functions on a connection borrowed for that
+    call alone, so the actor holds no connection between calls."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    async def _on_pool(
+        self,
+        statement: Callable[Concatenate[Conn, P], Awaitable[T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """`statement(conn, *args, **kwargs)` on a borrowed connection."""
+        async with self._pool.acquire() as conn:
+            return await statement(conn, *args, **kwargs)
 
 
 async def connect(settings: PoolSettings) -> asyncpg.Connection:

@@ -37,7 +37,7 @@ from controlplane.errors import NotFound
 from controlplane.store import pages
 from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
-from controlplane.store.records import insert_token, row_by_digest
+from controlplane.store.records import TokenTable
 from controlplane.store.reservations import ACTIVE_SQL, lock_workspace
 from controlplane.store.runner_release import lock_linked_runners, release_terminal
 
@@ -58,6 +58,9 @@ def _provisioner(row: asyncpg.Record) -> Provisioner:
     return Provisioner(**{key: row[key] for key in Provisioner.__slots__})
 
 
+_TOKENS = TokenTable("provisioner_tokens", _COLUMNS, _provisioner)
+
+
 async def create(
     conn: Conn,
     *,
@@ -70,27 +73,15 @@ async def create(
     token = token or tokens.new_opaque(tokens.Kind.PROVISIONER)
     scope = Scope.INSTALLATION if workspace_id is None else Scope.WORKSPACE
     fields = {"scope": scope.value, "workspace_id": workspace_id, "name": name}
-    row = await insert_token(conn, "provisioner_tokens", fields, token, ttl, _COLUMNS)
-    return _provisioner(row), token.raw
+    return await _TOKENS.insert(conn, fields, token, ttl), token.raw
 
 
 async def by_digest(conn: Conn, sha256: str) -> Provisioner | None:
-    row = await row_by_digest(
-        conn,
-        f"SELECT token_sha256, {_COLUMNS} FROM provisioner_tokens WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
-        sha256,
-    )
-    if row is None:
-        return None
-    return _provisioner(row)
+    return await _TOKENS.by_digest(conn, sha256)
 
 
 async def by_id(conn: Conn, provisioner_id: UUID) -> Provisioner | None:
-    row = await conn.fetchrow(
-        f"SELECT {_COLUMNS} FROM provisioner_tokens WHERE id = $1",  # noqa: S608 -- interpolates constants only: _COLUMNS
-        provisioner_id,
-    )
-    return None if row is None else _provisioner(row)
+    return await _TOKENS.by_id(conn, provisioner_id)
 
 
 async def touch(conn: Conn, provisioner_id: UUID, throttle: timedelta) -> None:

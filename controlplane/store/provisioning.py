@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TypedDict
 from uuid import UUID
 
 from controlplane.domain.assignment import Batch
@@ -47,6 +48,14 @@ from controlplane.store.pool import Conn, Pool
 from controlplane.store.provisioner_sessions import fence, hold_fence, take_over
 
 
+class Offer(TypedDict):
+    """The advertisement's part of a round's terms, as every allocation read takes it."""
+
+    templates: Sequence[Template]
+    launch_ttl: timedelta
+    activation_grace: timedelta
+
+
 @dataclass(frozen=True, slots=True)
 class RoundTerms:
     """What one allocation transaction is asked to allocate: the advertisement as it stands
@@ -59,6 +68,14 @@ class RoundTerms:
     activation_timeout: timedelta | None
     covering_window: timedelta | None
     fair_share: bool = False  # an installation walk caps each workspace at its even share
+
+    @property
+    def offer(self) -> Offer:
+        return Offer(
+            templates=self.templates,
+            launch_ttl=self.launch_ttl,
+            activation_grace=self.activation_grace,
+        )
 
 
 class SessionStore:
@@ -100,11 +117,9 @@ class SessionStore:
                 provisioner_id=self.provisioner.id,
                 scope=Scope.WORKSPACE,
                 workspace_id=workspace_id,
-                templates=terms.templates,
                 max_reservations=terms.max_reservations,
-                launch_ttl=terms.launch_ttl,
-                activation_grace=terms.activation_grace,
                 activation_timeout=terms.activation_timeout,
+                **terms.offer,
             )
         assert result is not None  # a blocking workspace lock: never skipped
         return result
@@ -136,10 +151,8 @@ class SessionStore:
                 conn,
                 provisioner_id=self.provisioner.id,
                 workspace_ids=workspace_ids,
-                templates=terms.templates,
-                launch_ttl=terms.launch_ttl,
-                activation_grace=terms.activation_grace,
                 covering_window=terms.covering_window,
+                **terms.offer,
             )
 
     async def allocate_in_walk(
@@ -151,12 +164,10 @@ class SessionStore:
                 conn,
                 provisioner_id=self.provisioner.id,
                 workspace_id=workspace_id,
-                templates=terms.templates,
                 max_reservations=terms.max_reservations,
-                launch_ttl=terms.launch_ttl,
-                activation_grace=terms.activation_grace,
                 covering_window=terms.covering_window,
                 activation_timeout=terms.activation_timeout,
+                **terms.offer,
             )
 
     async def outstanding_grants(self) -> list[tuple[Reservation, int]]:

@@ -13,7 +13,7 @@ from uuid import UUID
 
 from controlplane.domain.jobs import JobIdentity
 from controlplane.store.pool import Conn
-from controlplane.store.records import IDENTITY_COLUMNS, identity
+from controlplane.store.records import IDENTITY_COLUMNS, from_row, identity
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +171,8 @@ async def active_runners(
     leases each holds. Liveness stamps are throttled, so `last_seen_at` can lag by that much."""
     rows = await conn.fetch(
         """
-        SELECT s.id, s.workspace_id, s.registration_token_kind, s.labels, s.updated_at,
+        SELECT s.id AS runner_session_id, s.workspace_id, s.registration_token_kind AS kind,
+               s.labels, s.updated_at AS last_seen_at,
                (SELECT count(*) FROM running_jobs r WHERE r.runner_session_id = s.id) AS running
         FROM runner_sessions s
         WHERE s.updated_at > now() - $2::interval AND ($1::uuid IS NULL OR s.workspace_id = $1)
@@ -182,14 +183,4 @@ async def active_runners(
         window,
         limit,
     )
-    return [
-        ActiveRunner(
-            runner_session_id=row["id"],
-            workspace_id=row["workspace_id"],
-            kind=row["registration_token_kind"],
-            labels=tuple(row["labels"]),
-            last_seen_at=row["updated_at"],
-            running=row["running"],
-        )
-        for row in rows
-    ]
+    return [from_row(ActiveRunner, row, labels=tuple(row["labels"])) for row in rows]

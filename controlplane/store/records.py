@@ -6,9 +6,11 @@ No statement here takes an explicit lock: `row_by_digest` reads one row by a uni
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar
+from uuid import UUID
 
 import asyncpg
 import msgspec
@@ -16,6 +18,8 @@ import msgspec
 from controlplane.domain import tokens
 from controlplane.domain.jobs import JobIdentity
 from controlplane.store.pool import Conn
+
+T = TypeVar("T")
 
 IDENTITY_COLUMNS = (
     "workspace_id, workflow_run_id, workflow_run_attempt_id, job_id, job_execution_id, project_id"
@@ -66,6 +70,14 @@ def json_text(value: Any) -> str:
     return _json_encoder.encode(value).decode()
 
 
+def from_row(kind: type[T], row: asyncpg.Record, /, **given: object) -> T:
+    """The domain dataclass `kind` of a row whose columns are named as its fields; `given`
+    holds the fields that are not a plain column (converted, renamed or computed)."""
+    names = getattr(kind, "__dataclass_fields__")  # noqa: B009 -- mypy knows no such field of type[T]
+    plain = {name: row[name] for name in names if name not in given}
+    return kind(**plain, **given)
+
+
 async def row_by_digest(
     conn: Conn, query: str, sha256: str, *args: object
 ) -> asyncpg.Record | None:
@@ -76,6 +88,14 @@ async def row_by_digest(
     if row is None or not tokens.same_digest(row["token_sha256"], sha256):
         return None
     return row
+
+
+async def found_by_digest(
+    conn: Conn, into: Callable[[asyncpg.Record], T], query: str, sha256: str, *args: object
+) -> T | None:
+    """`row_by_digest`, the row made into its domain value by `into`."""
+    row = await row_by_digest(conn, query, sha256, *args)
+    return None if row is None else into(row)
 
 
 async def insert_token(
@@ -103,3 +123,35 @@ async def insert_token(
     )
     assert row is not None
     return row
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTable(Generic[T]):
+    """A family of opaque tokens kept in a table of its own (manual registration tokens,
+    provisioner tokens): its name, the columns its domain value is read from, and `into`, which
+    makes a row that value. Its issue and its two lookups are written once, here."""
+
+    table: str
+    columns: str
+    into: Callable[[asyncpg.Record], T]
+
+    async def insert(
+        self, conn: Conn, fields: Mapping[str, object], token: tokens.Opaque, ttl: timedelta | None
+    ) -> T:
+        """`insert_token` into this table."""
+        return self.into(await insert_token(conn, self.table, fields, token, ttl, self.columns))
+
+    async def by_digest(self, conn: Conn, sha256: str) -> T | None:
+        return await found_by_digest(
+            conn,
+            self.into,
+            f"SELECT token_sha256, {self.columns} FROM {self.table} WHERE token_sha256 = $1",  # noqa: S608 -- interpolates constants only: table, columns
+            sha256,
+        )
+
+    async def by_id(self, conn: Conn, token_id: UUID) -> T | None:
+        row = await conn.fetchrow(
+            f"SELECT {self.columns} FROM {self.table} WHERE id = $1",  # noqa: S608 -- interpolates constants only: table, columns
+            token_id,
+        )
+        return None if row is None else self.into(row)

@@ -48,6 +48,7 @@ from controlplane.domain.runner_instances import (
 )
 from controlplane.store import locks
 from controlplane.store.pool import Conn
+from controlplane.store.records import from_row
 
 # Every runner-instance column a domain ProvisionedRunner needs, for `FROM runner_instances ri`,
 # with the expiry of its open control session (NULL when it has none).
@@ -100,14 +101,8 @@ def runner_from_row(row: asyncpg.Record) -> ProvisionedRunner:
 
 
 def reservation_from_row(row: asyncpg.Record) -> Reservation:
-    return Reservation(
-        id=row["id"],
-        workspace_id=row["workspace_id"],
-        provisioner_id=row["provisioner_id"],
-        labels=tuple(row["required_labels"]),
-        count=row["count"],
-        kind=ReservationKind(row["kind"]),
-        expires_at=row["expires_at"],
+    return from_row(
+        Reservation, row, labels=tuple(row["required_labels"]), kind=ReservationKind(row["kind"])
     )
 
 

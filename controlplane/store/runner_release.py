@@ -308,3 +308,9 @@ async def release_after_leases(conn: Conn, ended: Sequence[EndedLease]) -> int:
             require_terminal_state=False,
         )
     return released
+
+
+async def with_units_released(conn: Conn, ended: list[EndedLease]) -> tuple[list[EndedLease], int]:
+    """`ended`, leases a maintenance batch just ended (reaped, timed out), with the units
+    `release_after_leases` gave back for them."""
+    return ended, await release_after_leases(conn, ended)

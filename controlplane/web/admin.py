@@ -15,6 +15,7 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
 from controlplane.domain.credentials import Credential, Role
+from controlplane.domain.fields import by_name
 from controlplane.settings import Settings
 from controlplane.store import credentials, executions, queries
 from controlplane.store.credentials import KeyRing
@@ -50,18 +51,7 @@ class Deps:
 
 
 def credential_out(credential: Credential) -> wire.CredentialOut:
-    return wire.CredentialOut(
-        id=credential.id,
-        kind=credential.kind,
-        name=credential.name,
-        workspace_id=credential.workspace_id,
-        display_prefix=credential.display_prefix,
-        created_at=credential.created_at,
-        expires_at=credential.expires_at,
-        revoked_at=credential.revoked_at,
-        revocation_reason=credential.revocation_reason,
-        role=credential.role.value,
-    )
+    return by_name(wire.CredentialOut, credential)
 
 
 @operation(create("Create an API key", wire.CreateApiKey, wire.CreatedCredential))

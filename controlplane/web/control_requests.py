@@ -18,6 +18,7 @@ from typing import Any
 
 from controlplane.actors.provisioning import DemandPush, ProvisionerActor
 from controlplane.domain.demand import Template
+from controlplane.domain.fields import by_name
 from controlplane.domain.labels import canonicalise
 from controlplane.domain.reports import ReconcileOutcome, RunnerEvent
 from controlplane.domain.rounds import Grant
@@ -43,14 +44,7 @@ async def _ping(actor: ProvisionerActor, message: wire.Ping) -> wire.Pong:
 
 async def _advertise(actor: ProvisionerActor, message: wire.Advertise) -> wire.Advertised:
     ads = [
-        Template(
-            key=ad.template_key,
-            labels=tuple(ad.labels),
-            available_slots=ad.available_slots,
-            starting=ad.starting,
-            running=ad.running,
-            idle_target=ad.idle_target,
-        )
+        by_name(Template, ad, key=ad.template_key, labels=tuple(ad.labels))
         for ad in message.templates
     ]
     kept = await actor.advertise(ads, message.max_reservations, message.reservation_ttl_seconds)
@@ -167,33 +161,15 @@ def _reconciled(request_id: str, result: ReconcileOutcome) -> wire.Reconciled:
 
 
 def grant(found: Grant) -> wire.Grant:
-    return wire.Grant(
-        reservation_id=found.reservation_id,
-        workspace_id=found.workspace_id,
-        labels=list(found.labels),
-        count=found.count,
-        expires_at=found.expires_at,
-    )
+    return by_name(wire.Grant, found)
 
 
 def demand(push: DemandPush) -> wire.Demand:
     return wire.Demand(
         seq=push.seq,
-        stats=[
-            wire.DemandStat(
-                workspace_id=s.workspace_id,
-                labels=list(s.labels),
-                queued=s.queued,
-                reserved=s.reserved,
-                oldest_queued_at=s.oldest_queued_at,
-            )
-            for s in push.stats
-        ],
+        stats=[by_name(wire.DemandStat, s) for s in push.stats],
         grants=[grant(g) for g in push.grants],
-        warm=[
-            wire.WarmLaunch(template_key=w.template_key, labels=list(w.labels), count=w.count)
-            for w in push.warm
-        ],
+        warm=[by_name(wire.WarmLaunch, w) for w in push.warm],
         newly_reserved=push.newly_reserved,
         terminate_provider_runner_ids=push.terminate,
     )

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from controlplane.domain import fleet as views
+from controlplane.domain.fields import by_name
 from controlplane.domain.labels import label_error
 from controlplane.domain.runner_instances import RunnerState
 from controlplane.errors import InvalidInput
@@ -83,13 +84,10 @@ def runners_out(
     return json_response(
         wire.ActiveRunners(
             items=[
-                wire.ActiveRunnerOut(
-                    runner_session_id=runner.runner_session_id,
-                    workspace_id=runner.workspace_id,
+                by_name(
+                    wire.ActiveRunnerOut,
+                    runner,
                     mode=runner.kind,
-                    labels=list(runner.labels),
-                    last_seen_at=runner.last_seen_at,
-                    running=runner.running,
                     capabilities=effective_out(
                         reports.get(runner.runner_session_id, absent), settings
                     ),
@@ -103,30 +101,17 @@ def runners_out(
 def _instance(
     row: fleet.InstanceRow, now: datetime, threshold: timedelta
 ) -> wire.RunnerInstanceOut:
-    return wire.RunnerInstanceOut(
-        id=row.id,
+    return by_name(
+        wire.RunnerInstanceOut,
+        row,
         provisioner=wire.InstanceProvisioner(
             id=row.provisioner_id,
             scope=row.provisioner_scope,  # type: ignore[arg-type]
             name=row.provisioner_name,
         ),
-        workspace_id=row.workspace_id,
-        provider_runner_id=row.provider_runner_id,
-        provider_kind=row.provider_kind,
-        launch_kind=row.launch_kind,  # type: ignore[arg-type]
-        template_key=row.template_key,
-        labels=list(row.labels),
-        state=row.state.value,
         lifecycle_state=views.lifecycle_state(row.facts),
         enrollment_state=views.enrollment_state(row.facts),
         reconciliation_status=views.reconciliation_status(row.facts, now=now, threshold=threshold),
-        reason=row.reason,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        reported_at=row.reported_at,
-        assigned_at=row.assigned_at,
-        first_claimed_at=row.first_claimed_at,
-        closed_at=row.closed_at,
     )
 
 
@@ -234,19 +219,7 @@ async def reservations(svc: Deps, request: Request) -> Response:
     async with svc.pool.acquire() as conn:
         found = await fleet.live_reservations(conn, workspace)
     return json_response(
-        wire.ReservationList(
-            items=[
-                wire.ReservationGroup(
-                    workspace_id=group.workspace_id,
-                    labels=list(group.labels),
-                    kind=group.kind,  # type: ignore[arg-type]
-                    reservations=group.reservations,
-                    units=group.units,
-                    next_expiry=group.next_expiry,
-                )
-                for group in found
-            ]
-        )
+        wire.ReservationList(items=[by_name(wire.ReservationGroup, group) for group in found])
     )
 
 

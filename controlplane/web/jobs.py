@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from controlplane.actors.feed import FeedWatch
+from controlplane.domain.fields import by_name
 from controlplane.domain.jobs import Outcome
 from controlplane.domain.labels import label_error
 from controlplane.domain.waiting import QueuePlace, Takers, Waiting, waiting_reasons, why_waiting
@@ -45,21 +46,7 @@ class Deps:
 
 
 def _job(view: job_views.JobView) -> wire.JobOut:
-    return wire.JobOut(
-        job_execution_id=view.job_execution_id,
-        status=view.status,  # type: ignore[arg-type]
-        workspace_id=view.workspace_id,
-        job_id=view.job_id,
-        required_labels=None if view.required_labels is None else list(view.required_labels),
-        enqueued_at=view.enqueued_at,
-        started_at=view.started_at,
-        ended_at=view.ended_at,
-        runner_session_id=view.runner_session_id,
-        cancel_requested=view.cancel_requested,
-        outcome=view.outcome,
-        ended_by=view.ended_by,
-        exit_code=view.exit_code,
-    )
+    return by_name(wire.JobOut, view)
 
 
 def waiting_out(
@@ -211,11 +198,10 @@ async def pending_groups(svc: Deps, request: Request) -> Response:
     return json_response(
         wire.PendingGroupList(
             items=[
-                wire.PendingGroupOut(
-                    workspace_id=group.workspace_id,
-                    labels=list(group.required_labels),
-                    pending=group.pending,
-                    oldest_enqueued_at=group.oldest_enqueued_at,
+                by_name(
+                    wire.PendingGroupOut,
+                    group,
+                    labels=group.required_labels,
                     waiting=waiting_out(
                         why_waiting(group.required_labels, group.takers), group.takers
                     ),

@@ -17,6 +17,7 @@ from controlplane import metrics
 from controlplane.actors.feed import FeedWatch
 from controlplane.domain import lifetimes
 from controlplane.domain.credentials import Credential
+from controlplane.domain.fields import by_name
 from controlplane.domain.jobs import JobIdentity, NewJob, Outcome
 from controlplane.domain.labels import canonicalise
 from controlplane.domain.ordering import check_ordering
@@ -93,14 +94,7 @@ def _new_job(job: wire.EnqueueJob, queue_knobs: QueueSettings, index: int) -> Ne
     except msgspec.ValidationError as error:
         raise InvalidInput(f"jobs[{index}].payload must be a JSON object", index=index) from error
     return NewJob(
-        identity=JobIdentity(
-            workspace_id=job.workspace_id,
-            workflow_run_id=job.workflow_run_id,
-            workflow_run_attempt_id=job.workflow_run_attempt_id,
-            job_id=job.job_id,
-            job_execution_id=job.job_execution_id,
-            project_id=job.project_id,
-        ),
+        identity=by_name(JobIdentity, job),
         required_labels=canonicalise(job.required_labels),
         queued_at=job.queued_at,
         payload=payload,
@@ -237,27 +231,12 @@ async def execution_state(svc: Deps, request: Request) -> Response:
                 conn, found.workspace_id, found.required_labels, execution
             )
     return json_response(
-        wire.ExecutionState(
-            job_execution_id=found.job_execution_id,
-            state=found.state,  # type: ignore[arg-type]
-            workspace_id=found.workspace_id,
-            outcome=found.outcome,
-            ended_by=found.ended_by,
-            runner_session_id=found.runner_session_id,
-            cancel_requested=found.cancel_requested,
-            exit_code=found.exit_code,
-            output_tail=found.output_tail,
+        by_name(
+            wire.ExecutionState,
+            found,
             waiting=waiting,
-            attempt=found.attempt,
             lost_attempts=[
-                wire.LostAttemptOut(
-                    attempt=lost.attempt,
-                    outcome="lost",
-                    runner_session_id=lost.runner_session_id,
-                    started_at=lost.started_at,
-                    ended_at=lost.ended_at,
-                )
-                for lost in found.lost_attempts
+                by_name(wire.LostAttemptOut, lost, outcome="lost") for lost in found.lost_attempts
             ],
         )
     )
@@ -295,17 +274,7 @@ async def read_events(svc: Deps, request: Request) -> Response:
     next_cursor = found[-1].cursor if found else f"{after[0]}.{after[1]}"
     return json_response(
         wire.EventsResponse(
-            events=[
-                wire.EventOut(
-                    cursor=event.cursor,
-                    type=event.event_type,
-                    workspace_id=event.workspace_id,
-                    job_execution_id=event.job_execution_id,
-                    payload=event.payload,
-                    created_at=event.created_at,
-                )
-                for event in found
-            ],
+            events=[by_name(wire.EventOut, event, type=event.event_type) for event in found],
             next_cursor=next_cursor,
         )
     )

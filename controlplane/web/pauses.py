@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from controlplane import metrics
+from controlplane.domain.fields import by_name
 from controlplane.domain.pauses import Operator, PauseKind, PauseState
 from controlplane.settings import Settings
 from controlplane.store import pauses
@@ -83,15 +84,7 @@ _DRAIN = (
 
 
 def _out(state: PauseState) -> wire.PauseOut:
-    return wire.PauseOut(
-        kind=state.kind.value,
-        id=state.target_id,
-        workspace_id=state.workspace_id,
-        paused=state.paused,
-        since=state.since,
-        reason=state.reason,
-        changed=state.changed,
-    )
+    return by_name(wire.PauseOut, state, id=state.target_id)
 
 
 # (workspace id, runner session id, paused): actors/dispatch.py Dispatcher.runner_paused.

@@ -12,6 +12,7 @@ from starlette.routing import BaseRoute, Route
 
 from controlplane.domain.credential_rules import Family, NewCredential, lifetime
 from controlplane.domain.credentials import Credential
+from controlplane.domain.fields import by_name
 from controlplane.domain.provisioners import Provisioner
 from controlplane.store import credentials, provisioners
 from controlplane.store.pool import Conn
@@ -45,18 +46,7 @@ Deps = admin.Deps
 
 
 def token_out(found: Provisioner) -> wire.ProvisionerTokenOut:
-    return wire.ProvisionerTokenOut(
-        id=found.id,
-        scope=found.scope,  # type: ignore[arg-type]
-        workspace_id=found.workspace_id,
-        name=found.name,
-        display_prefix=found.display_prefix,
-        created_at=found.created_at,
-        expires_at=found.expires_at,
-        revoked_at=found.revoked_at,
-        revocation_reason=found.revocation_reason,
-        last_seen_at=found.last_seen_at,
-    )
+    return by_name(wire.ProvisionerTokenOut, found)
 
 
 @operation(

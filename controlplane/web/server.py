@@ -30,7 +30,7 @@ import logging
 import resource
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -42,6 +42,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from uvicorn.server import ServerState
 
 from controlplane import metrics
+from controlplane.domain.fields import by_name
 from controlplane.settings import Settings
 from controlplane.wire.common import ErrorBody, ErrorEnvelope
 
@@ -68,15 +69,7 @@ class ConnectionLimits:
 
     @classmethod
     def of(cls, settings: Settings) -> ConnectionLimits:
-        server = settings.server
-        return cls(
-            max_connections=server.max_connections,
-            max_header_bytes=server.max_header_bytes,
-            header_read_timeout_seconds=server.header_read_timeout_seconds,
-            body_read_timeout_seconds=server.body_read_timeout_seconds,
-            keep_alive_seconds=server.keep_alive_seconds,
-            websocket_max_message_bytes=server.websocket_max_message_bytes,
-        )
+        return by_name(cls, settings.server)
 
 
 def _canned(status: int, reason: str, code: str, message: str, **details: Any) -> bytes:
@@ -194,6 +187,37 @@ class _Linger:
         self.timer = loop.call_later(_LINGER_SECONDS, transport.close)
 
 
+class _ReadDeadline:
+    """One read deadline of a connection (its head's or its body's): armed, or not. When it
+    fires it is disarmed, then calls `expired`."""
+
+    __slots__ = ("_expired", "_handle", "_loop", "_seconds")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, seconds: float, expired: Callable[[], None]
+    ) -> None:
+        self._loop = loop
+        self._seconds = seconds
+        self._expired = expired
+        self._handle: asyncio.TimerHandle | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self._handle is not None
+
+    def start(self) -> None:
+        self._handle = self._loop.call_later(self._seconds, self._fire)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._expired()
+
+
 # Where a connection is in its current request, as far as the head limits care.
 _BETWEEN = 0  # no request begun (or the last one fully read)
 _HEAD = 1  # a request begun, its head not complete
@@ -211,8 +235,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._gate = config.gate
         self._reading = _BETWEEN
         self._head_bytes = 0
-        self._head_deadline: asyncio.TimerHandle | None = None
-        self._body_deadline: asyncio.TimerHandle | None = None
+        self._head_deadline = _ReadDeadline(
+            self.loop, self._limits.header_read_timeout_seconds, self._head_too_slow
+        )
+        self._body_deadline = _ReadDeadline(
+            self.loop, self._limits.body_read_timeout_seconds, self._body_too_slow
+        )
         self._linger: _Linger | None = None
         self._upgraded = False
         self._admitted = False
@@ -226,14 +254,14 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             return
         self._admitted = True
         super().connection_made(transport)
-        self._start_head_deadline()
+        self._head_deadline.start()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._admitted:
             return
         self._gate.release(self.transport)
-        self._stop_head_deadline()
-        self._stop_body_deadline()
+        self._head_deadline.stop()
+        self._body_deadline.stop()
         if self._linger is not None:
             self._linger.timer.cancel()
         super().connection_lost(exc)
@@ -264,13 +292,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             rest = view[budget:]
             if self._upgraded or self.transport.is_closing():
                 return
-        if self._awaiting_head() and self._head_deadline is None:
-            self._start_head_deadline()
-        elif self._reading == _BODY and not self._upgraded and self._body_deadline is None:
+        if self._awaiting_head() and not self._head_deadline.armed:
+            self._head_deadline.start()
+        elif self._reading == _BODY and not self._upgraded and not self._body_deadline.armed:
             # The head is in, its body is not: the client has this long to send the rest.
-            self._body_deadline = self.loop.call_later(
-                self._limits.body_read_timeout_seconds, self._body_too_slow
-            )
+            self._body_deadline.start()
 
     def _awaiting_head(self) -> bool:
         if self._upgraded:
@@ -294,13 +320,13 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._reading = _BODY
         self._head_bytes = 0
-        self._stop_head_deadline()
+        self._head_deadline.stop()
         self._gate.working(self.transport)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._reading = _BETWEEN
-        self._stop_body_deadline()
+        self._body_deadline.stop()
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
@@ -311,32 +337,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def handle_websocket_upgrade(self) -> None:
         # The connection keeps its place in the gate; the WebSocket protocol releases it.
         self._upgraded = True
-        self._stop_head_deadline()
+        self._head_deadline.stop()
         super().handle_websocket_upgrade()
 
-    def _start_head_deadline(self) -> None:
-        self._head_deadline = self.loop.call_later(
-            self._limits.header_read_timeout_seconds, self._head_too_slow
-        )
-
-    def _stop_head_deadline(self) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
-
     def _head_too_slow(self) -> None:
-        self._head_deadline = None
         if not self.transport.is_closing():
             metrics.connections_closed.labels("header-timeout").inc()
             self.transport.close()
 
-    def _stop_body_deadline(self) -> None:
-        if self._body_deadline is not None:
-            self._body_deadline.cancel()
-            self._body_deadline = None
-
     def _body_too_slow(self) -> None:
-        self._body_deadline = None
         if self.transport.is_closing():
             return
         metrics.connections_closed.labels("body-timeout").inc()
@@ -352,7 +361,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._linger = _Linger(self.transport, self.loop)
 
     def _refuse_head(self) -> None:
-        self._stop_head_deadline()
+        self._head_deadline.stop()
         metrics.connections_closed.labels("header-too-large").inc()
         if self.cycle is not None and not self.cycle.response_complete:
             # A pipelined head behind a request still being answered: no room for a 431.

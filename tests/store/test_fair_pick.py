@@ -8,15 +8,17 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 from uuid import UUID
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from controlplane.store import ordering
+from controlplane.store import claiming, ordering
 from controlplane.store.ordering import Ordering
 from controlplane.store.pool import Conn
 from tests.factories import manual_session, minutes_ago, new_job
+from tests.store.test_claim import enqueue
 from tests.store.test_ordering import claim_reads
 
 _COLUMNS = "id, job_execution_id, concurrency_key, concurrency_limit, priority, created_at"
@@ -51,7 +53,7 @@ class Job:
 
 _job = st.builds(
     Job,
-    project=st.integers(0, 2),
+    project=st.integers(0, 4),
     priority=st.integers(-1, 1),
     age=st.integers(0, 4),
     labels=st.integers(0, 1),
@@ -67,16 +69,19 @@ class Queue:
     stepped_over: list[int]  # indexes into jobs
     session_labels: int
     limit: int
+    bound: int  # the walk's bound beyond the limit (ordering.FAIR_WALK in claims)
 
 
 _queue = st.builds(
     Queue,
     jobs=st.lists(_job, max_size=20),
-    running=st.lists(st.integers(0, 3), min_size=3, max_size=3),
+    # Projects with no lease (the walk's heads), one lease, and busy ones.
+    running=st.lists(st.sampled_from([0, 0, 1, 2, 4]), min_size=5, max_size=5),
     key_running=st.fixed_dictionaries({key: st.integers(0, limit) for key, limit in _KEYS.items()}),
     stepped_over=st.lists(st.integers(0, 19), max_size=3),
     session_labels=st.integers(0, 1),
     limit=st.integers(1, 8),
+    bound=st.integers(0, 6),
 )
 
 
@@ -131,8 +136,22 @@ async def _fill(conn: Conn, workspace: UUID, queue: Queue) -> list[UUID]:
     return ids
 
 
+# Shapes the random queues may miss, each through a different way of the pick (store/ordering.py,
+# "The fair pick"): a hot leased project owning the front of the walk (every project probed),
+# many projects with no lease (their heads on the walk), heads the session's labels or a full key
+# skip, and a queue shorter than the walk (the walk ranked whole).
+_HOT = [Job(0, 0, 4, 0, None)] * 6 + [Job(p, 0, 1, 0, None) for p in range(1, 5)]
+_SKIPPED = [Job(p, 1, 4, 1, None) for p in range(5)] + [Job(p, 0, 2, 0, "k1") for p in range(5)]
+
+
+@example(Queue(_HOT, [4, 0, 0, 0, 0], {"k1": 0, "k2": 0}, [], 0, 1, 2))
+@example(Queue(_HOT, [4, 0, 1, 0, 0], {"k1": 0, "k2": 0}, [], 0, 3, 2))
+@example(Queue(_HOT, [2, 1, 1, 1, 1], {"k1": 0, "k2": 0}, [6], 0, 4, 0))
+@example(Queue([Job(p % 5, 0, p % 3, 0, None) for p in range(15)], [0] * 5, {}, [], 0, 4, 0))
+@example(Queue(_SKIPPED, [0, 1, 0, 2, 0], {"k1": 1, "k2": 0}, [], 0, 2, 1))
+@example(Queue(_SKIPPED, [0, 1, 0, 2, 0], {"k1": 0, "k2": 0}, [], 0, 3, 6))
 @settings(
-    max_examples=100,
+    max_examples=200,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -149,7 +168,7 @@ async def test_q29_the_fair_pick_equals_the_full_ranking_row_for_row(
         [ids[i] for i in queue.stepped_over if i < len(ids)],
     )
     expected = await conn.fetch(_FULL_RANK, *args, queue.limit)
-    got = await conn.fetch(ordering.fair_pick(str(queue.limit), ""), *args)
+    got = await conn.fetch(ordering.fair_pick(str(queue.limit), "", queue.bound), *args)
     assert [tuple(row) for row in got] == [tuple(row) for row in expected]
     # And nothing at all for a workspace that orders by priority and FIFO.
     await conn.execute(
@@ -158,20 +177,24 @@ async def test_q29_the_fair_pick_equals_the_full_ranking_row_for_row(
     assert await conn.fetch(ordering.fair_pick(str(queue.limit), ""), *args) == []
 
 
-async def test_q29_a_fair_claim_reads_each_projects_head_not_the_workspace(
+def _read(reads: list[dict[str, Any]]) -> int:
+    return sum(n["Actual Rows"] * n["Actual Loops"] for n in reads)
+
+
+async def test_q29_a_fair_claim_with_no_leases_reads_the_plain_walks_first_row(
     conn: Conn, workspace: UUID
 ) -> None:
     await ordering.set_workspace_ordering(conn, workspace, Ordering.FAIR)
-    projects = [uuid.uuid4() for _ in range(4)]
+    projects = [uuid.uuid4() for _ in range(100)]
     jobs = [
-        new_job(workspace, queued_at=minutes_ago(2000 - i), project_id=projects[i % 4])
+        new_job(workspace, queued_at=minutes_ago(2000 - i), project_id=projects[i % 100])
         for i in range(2000)
     ]
     reads = await claim_reads(conn, workspace, jobs, fair=True)
-    # Per project: one skip-scan probe and one row of its head (limit 1); then the candidate's
-    # lock and the delete's primary-key probes (10 rows in all). Never a read of the 2,000.
-    read = sum(n["Actual Rows"] * n["Actual Loops"] for n in reads)
-    assert read <= 2 * 4 + 2, [
+    # The walk's first row is a project with no lease, so its head and the fair pick (share 1,
+    # first by priority and age); then the candidate's lock and the delete's primary-key probe.
+    # Neither the 100 projects nor the 2,000 rows.
+    assert _read(reads) <= 3, [
         (n.get("Index Name"), n["Actual Rows"], n["Actual Loops"]) for n in reads
     ]
     assert all(n["Node Type"] != "Seq Scan" for n in reads), reads
@@ -179,3 +202,33 @@ async def test_q29_a_fair_claim_reads_each_projects_head_not_the_workspace(
         await conn.fetchval("SELECT count(*) FROM running_jobs WHERE workspace_id = $1", workspace)
         == 1
     )
+
+
+async def test_q29_a_hot_leased_project_costs_the_bounded_walk_then_each_projects_head(
+    conn: Conn, workspace: UUID
+) -> None:
+    await ordering.set_workspace_ordering(conn, workspace, Ordering.FAIR)
+    hot, *others = (uuid.uuid4() for _ in range(21))
+    # The hot project's 1,000 jobs are the oldest; one of them is leased (the first claim).
+    jobs = [
+        new_job(workspace, queued_at=minutes_ago(5000 - i), project_id=hot) for i in range(1000)
+    ]
+    quiet = [
+        new_job(workspace, queued_at=minutes_ago(20 - i), project_id=p)
+        for i, p in enumerate(others)
+    ]
+    await enqueue(conn, *jobs[:1])
+    first = await claiming.claim(conn, await manual_session(conn, workspace))
+    assert first is not None and first.identity.project_id == hot
+    reads = await claim_reads(conn, workspace, jobs[1:] + quiet, fair=True)
+    # The walk finds only the hot project's rows up to its bound, so every project is probed:
+    # one skip-scan probe and its head each. Never the 999 hot rows.
+    assert _read(reads) <= ordering.FAIR_WALK + 1 + 2 * 21 + 2, [
+        (n.get("Index Name"), n["Actual Rows"], n["Actual Loops"]) for n in reads
+    ]
+    taken = await conn.fetchval(
+        "SELECT job_execution_id FROM running_jobs WHERE workspace_id = $1 AND project_id <> $2",
+        workspace,
+        hot,
+    )
+    assert taken == quiet[0].identity.job_execution_id  # the oldest head of a quiet project

@@ -83,6 +83,26 @@ async def test_q27_the_plain_claim_keeps_a_generic_plan(conn: Conn, workspace: U
     assert await _plans(conn, claiming._CLAIM_BATCH[False]) == (3, 5)
 
 
+async def test_q27_the_fair_claim_keeps_a_generic_plan(conn: Conn, workspace: UUID) -> None:
+    # The fair pick hides the labels and the rows stepped over from the planner as the plain one
+    # does, and its walks' bounds too (store/ordering.py, "Plans"), so it is not planned at
+    # every claim either.
+    await ordering.set_workspace_ordering(conn, workspace, Ordering.FAIR)
+    projects = [uuid.uuid4() for _ in range(4)]
+    await enqueue(conn, *(new_job(workspace, project_id=projects[i % 4]) for i in range(40)))
+    await conn.execute("ANALYZE pending_jobs")
+    runner = await manual_session(conn, workspace)
+    orderings = KnownOrderings()
+    orderings.learn(workspace, True)
+    for _ in range(8):
+        assert await claiming.claim(conn, runner, orderings=orderings) is not None
+    assert await _plans(conn, claiming._CLAIM[True]) == (3, 5)
+    ids = [runner.runner_session_id]
+    for _ in range(8):
+        assert await claiming.claim_batch(conn, workspace, runner.labels, ids, orderings) != {}
+    assert await _plans(conn, claiming._CLAIM_BATCH[True]) == (3, 5)
+
+
 async def _plans(conn: Conn, statement: str) -> tuple[int, int]:
     """How often this connection's prepared `statement` ran a generic and a custom plan."""
     plans = await conn.fetchrow(

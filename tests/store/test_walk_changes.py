@@ -376,7 +376,8 @@ async def test_with_one_template_full_the_walk_reads_figures_once_a_round_gave_n
     """The shape of bench/installation.py's probes: the backlog's template full, a probe
     template free. A walk with a template full reads the figures only once one of its rounds
     gave nothing (before that the slots may all go to the first workspace), and from then on
-    only the notified workspaces run a transaction."""
+    only the notified workspaces run a transaction: a walked workspace's round is carried as
+    its figures, so it is not walked again only to find it can be given nothing."""
     bulk, probe = ("bulk", "linux"), ("linux", "probe")
     pair = await twins(pool, conn, 3, labels=[bulk, bulk, bulk])
     for twin in pair:
@@ -387,14 +388,68 @@ async def test_with_one_template_full_the_walk_reads_figures_once_a_round_gave_n
 
     _, grants = await same_round(pair, fair_share=fair_share, templates=templates)
     assert grants == [(0, bulk, 1)]
-    assert (left.asked, left.read) == (2, pair[0].workspaces[1:])  # the second gave nothing
+    # The second gave nothing: the figures of the rest are read, its own round's are kept.
+    assert (left.asked, left.read) == (2, pair[0].workspaces[2:])
 
     await more_jobs(conn, pair, 2, probe, 1)
     _, grants = await same_round(pair, fair_share=fair_share, templates=templates)
     assert grants == [(2, probe, 1)]
-    assert left.asked == 4 and left.read[2:] == [pair[0].workspaces[0], pair[0].workspaces[2]]
+    # The first's and the second's figures are their own rounds' (the grant reserved): only
+    # the notified third runs a transaction, and nothing is read.
+    assert left.asked == 3 and len(left.read) == 1
 
     await more_jobs(conn, pair, 2, probe, 1)
     _, grants = await same_round(pair, fair_share=fair_share, templates=templates)
     assert grants == [(2, probe, 1)]
-    assert left.asked == 5 and len(left.read) == 4  # every figure carried: one transaction
+    assert left.asked == 4 and len(left.read) == 1  # every figure carried: one transaction
+
+
+async def test_a_walked_round_is_carried_as_figures_unless_it_left_demand_to_own_provisioners(
+    conn: Conn,
+) -> None:
+    """A walk's round keeps the fingerprint it left, so the memory carries its figures to the
+    next round (no notice, the same reservations); not where the workspace's own provisioner
+    covers demand a template takes, which changes with time alone (as `walk_figures`)."""
+    plain, covered_by_own = uuid.uuid4(), uuid.uuid4()
+    inst = await rows.provisioner(conn)
+    for workspace_id in (plain, covered_by_own):
+        await rows.pending_jobs(conn, workspace_id, LINUX, 2)
+    own = await rows.provisioner(conn, covered_by_own)
+    await demand_inputs.replace_templates(conn, own.id, covered_by_own, [template(0)])
+    memory = WalkMemory(full_walk_seconds=3600)
+    entries = [WalkEntry(plain, 0), WalkEntry(covered_by_own, 0)]
+    memory.plan(entries, now=0)
+    found = {}
+    for entry in entries:
+        result = await demand.allocate_in_walk(
+            conn,
+            provisioner_id=inst.id,
+            workspace_id=entry.workspace_id,
+            templates=(template(1),),
+            max_reservations=10,
+            launch_ttl=TTL,
+            activation_grace=TTL,
+            covering_window=HOUR,
+        )
+        assert result is not None
+        memory.walked(entry, result)
+        found[entry.workspace_id] = result
+
+    # One unit granted of two: not covered, its figures count the grant as reserved.
+    assert len(found[plain].grants) == 1 and not found[plain].covered
+    fingerprint = found[plain].reservations
+    assert fingerprint is not None
+    assert [(s.labels, s.queued, s.reserved) for s in found[plain].allocation.stats] == [
+        (LINUX, 2, 1)
+    ]
+    assert found[covered_by_own].reservations is None and not found[covered_by_own].grants
+    after = [WalkEntry(plain, fingerprint), WalkEntry(covered_by_own, 0)]
+    assert memory.plan(after, now=1) == frozenset()  # neither is covered
+    carried = memory.figures(plain)
+    assert carried is not None and carried.grants == ()
+    assert carried.allocation.stats == found[plain].allocation.stats
+    assert memory.figures(covered_by_own) is None
+    # A notice, or another fingerprint, and the figures are read again.
+    memory.changed(plain)
+    memory.plan(after, now=2)
+    assert memory.figures(plain) is None

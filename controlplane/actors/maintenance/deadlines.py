@@ -10,18 +10,15 @@ short.
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
-import asyncpg
-
 from controlplane import metrics
-from controlplane.actors.maintenance.job import until_short
+from controlplane.actors.maintenance.job import OnStore, tally, units_released, until_short
 from controlplane.domain.jobs import EndedLease
 from controlplane.store import deadlines, runner_release
-
-log = logging.getLogger("controlplane.maintenance")
+from controlplane.store.pool import PoolAdapter
 
 
 class DeadlineStore(Protocol):
@@ -35,53 +32,39 @@ class DeadlineStore(Protocol):
         ...
 
 
-class PoolDeadlineStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self._pool = pool
-
+class PoolDeadlineStore(PoolAdapter):
     async def time_out(self, grace: timedelta, limit: int) -> tuple[list[EndedLease], int]:
         async with self._pool.acquire() as conn:
             ended = await deadlines.time_out(conn, grace, limit=limit)
-            released = await runner_release.release_after_leases(conn, ended)
-        return ended, released
+            return await runner_release.with_units_released(conn, ended)
 
     async def expire_queued(self, limit: int) -> int:
-        async with self._pool.acquire() as conn:
-            return len(await deadlines.expire_queued(conn, limit=limit))
+        return len(await self._on_pool(deadlines.expire_queued, limit=limit))
 
 
-class Deadlines:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Deadlines(OnStore[DeadlineStore]):
     name = "execution_deadlines"
 
-    def __init__(
-        self, store: DeadlineStore, *, grace: timedelta, interval: float, limit: int
-    ) -> None:
-        self._store = store
-        self._grace = grace
-        self.interval = interval
-        self._limit = limit
+    grace: timedelta
+    limit: int
 
     async def run_once(self) -> tuple[int, int]:
         """Time out leases, then expire queued executions, each until a batch is short; return
         how many of each."""
-        timed_out = await until_short(self._time_out, self._limit)
-        expired = await until_short(self._expire, self._limit)
+        timed_out = await until_short(self._time_out, self.limit)
+        expired = await until_short(self._expire, self.limit)
         return timed_out, expired
 
     async def _time_out(self) -> tuple[int, int]:
-        ended, released = await self._store.time_out(self._grace, self._limit)
-        if released:
-            metrics.units_released.labels("maintenance").inc(released)
+        ended, released = await self.store.time_out(self.grace, self.limit)
+        units_released(released)
         # A lease whose execution was cancelled while it drained ends as `cancelled`.
         newly = sum(1 for lease in ended if lease.newly_ended)
-        if newly:
-            metrics.jobs_timed_out.inc(newly)
-            log.info("maintenance.leases_timed_out", extra={"count": newly})
+        tally(newly, metrics.jobs_timed_out, "maintenance.leases_timed_out")
         return len(ended), newly
 
     async def _expire(self) -> tuple[int, int]:
-        count = await self._store.expire_queued(self._limit)
-        if count:
-            metrics.jobs_queue_expired.inc(count)
-            log.info("maintenance.queue_expired", extra={"count": count})
+        count = await self.store.expire_queued(self.limit)
+        tally(count, metrics.jobs_queue_expired, "maintenance.queue_expired")
         return count, count

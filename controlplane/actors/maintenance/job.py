@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from dataclasses import KW_ONLY, dataclass
+from typing import Generic, Protocol, TypeVar
 
 import anyio
+from prometheus_client import Counter
+
+from controlplane import metrics
 
 log = logging.getLogger("controlplane.maintenance")
+
+StoreT = TypeVar("StoreT")
 
 
 class Job(Protocol):
@@ -22,6 +28,29 @@ class Job(Protocol):
     async def run_once(self) -> object:
         """One round. An error ends the round only: the next starts `interval` later."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class OnStore(Generic[StoreT]):
+    """What each job below is built with: the store it runs its rounds on (a `Pool...Store`, or
+    a test's fake) and its interval; a job adds its name and its own settings (keyword only)."""
+
+    store: StoreT
+    _: KW_ONLY
+    interval: float
+
+
+def tally(count: int, counter: Counter, event: str) -> None:
+    """Count what a batch did on `counter` and log it as `event`, when it did anything."""
+    if count:
+        counter.inc(count)
+        log.info(event, extra={"count": count})
+
+
+def units_released(units: int) -> None:
+    """Count the units a batch of ended leases gave back (store/runner_release.py)."""
+    if units:
+        metrics.units_released.labels("maintenance").inc(units)
 
 
 async def until_short(batch: Callable[[], Awaitable[tuple[int, int]]], limit: int) -> int:

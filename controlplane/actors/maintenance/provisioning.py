@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol, TypeVar
 
-import asyncpg
-
 from controlplane import metrics
-from controlplane.actors.maintenance.job import drain
+from controlplane.actors.maintenance.job import OnStore, drain
 from controlplane.store import (
     ephemeral,
     fleet,
@@ -37,6 +36,7 @@ from controlplane.store import (
     runner_release,
 )
 from controlplane.store.fleet import PhaseCount
+from controlplane.store.pool import PoolAdapter
 
 log = logging.getLogger("controlplane.maintenance")
 
@@ -59,56 +59,37 @@ class UpkeepStore(Protocol):
     async def enrolled_without_recent_report(self, stale_after: timedelta) -> int: ...
 
 
-class PoolUpkeepStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self._pool = pool
-
+class PoolUpkeepStore(PoolAdapter):
     async def delete_expired_reservations(self, limit: int) -> int:
-        async with self._pool.acquire() as conn:
-            return await reservation_cleanup.delete_expired_reservations(conn, limit)
+        return await self._on_pool(reservation_cleanup.delete_expired_reservations, limit)
 
     async def reap_stale_runners(self, threshold: timedelta, limit: int) -> tuple[int, int]:
-        async with self._pool.acquire() as conn:
-            return await runner_release.reap_stale_runners(conn, threshold=threshold, limit=limit)
+        return await self._on_pool(
+            runner_release.reap_stale_runners, threshold=threshold, limit=limit
+        )
 
     async def prune_runner_credentials(self, older_than: timedelta, limit: int) -> int:
-        async with self._pool.acquire() as conn:
-            return await retention.prune_runner_credentials(conn, older_than, limit)
+        return await self._on_pool(retention.prune_runner_credentials, older_than, limit)
 
     async def prune_ephemeral_tokens(self, older_than: timedelta, limit: int) -> int:
-        async with self._pool.acquire() as conn:
-            return await ephemeral.prune_ephemeral_tokens(conn, older_than, limit)
+        return await self._on_pool(ephemeral.prune_ephemeral_tokens, older_than, limit)
 
     async def phase_counts(self) -> list[PhaseCount]:
-        async with self._pool.acquire() as conn:
-            return await fleet.phase_counts(conn)
+        return await self._on_pool(fleet.phase_counts)
 
     async def enrolled_without_recent_report(self, stale_after: timedelta) -> int:
-        async with self._pool.acquire() as conn:
-            return await lifecycle.enrolled_without_recent_report(conn, stale_after)
+        return await self._on_pool(lifecycle.enrolled_without_recent_report, stale_after)
 
 
-class ProvisioningUpkeep:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProvisioningUpkeep(OnStore[UpkeepStore]):
     name = "provisioning"
 
-    def __init__(
-        self,
-        store: UpkeepStore,
-        *,
-        interval: float,
-        stale_threshold: timedelta,
-        reaper_limit: int,
-        credential_retention: timedelta = timedelta(days=1),
-        ephemeral_retention: timedelta = timedelta(days=7),
-        batch: int = 1000,
-    ) -> None:
-        self._store = store
-        self.interval = interval
-        self._stale_threshold = stale_threshold
-        self._reaper_limit = reaper_limit
-        self._credential_retention = credential_retention
-        self._ephemeral_retention = ephemeral_retention
-        self._batch = batch
+    stale_threshold: timedelta
+    reaper_limit: int
+    credential_retention: timedelta = timedelta(days=1)
+    ephemeral_retention: timedelta = timedelta(days=7)
+    batch: int = 1000
 
     async def run_once(self) -> tuple[int, int, int]:
         """One round; returns (reservations expired, runners reaped, credentials pruned), where
@@ -134,21 +115,21 @@ class ProvisioningUpkeep:
         return (expired, reaped, pruned)
 
     async def _upkeep(self) -> tuple[int, int, int, int]:
-        store = self._store
-        expired = await drain(store.delete_expired_reservations, self._batch)
-        reaped, released = await store.reap_stale_runners(self._stale_threshold, self._reaper_limit)
+        store = self.store
+        expired = await drain(store.delete_expired_reservations, self.batch)
+        reaped, released = await store.reap_stale_runners(self.stale_threshold, self.reaper_limit)
         metrics.runners_reaped.inc(reaped)
         metrics.units_released.labels("maintenance").inc(released)
-        pruned = await store.prune_runner_credentials(self._credential_retention, self._batch)
+        pruned = await store.prune_runner_credentials(self.credential_retention, self.batch)
         return (expired, reaped, released, pruned)
 
     async def _prune_ephemeral(self) -> int:
-        return await self._store.prune_ephemeral_tokens(self._ephemeral_retention, self._batch)
+        return await self.store.prune_ephemeral_tokens(self.ephemeral_retention, self.batch)
 
     async def _count_phases(self) -> None:
         """Refresh the by-phase gauges; they stay exposed for three provisioning intervals."""
         try:
-            counts = await self._store.phase_counts()
+            counts = await self.store.phase_counts()
         except Exception as error:  # a metric must never fail the maintenance round
             log.warning("maintenance.phase_count_failed", extra={"error": repr(error)})
             return
@@ -164,7 +145,7 @@ class ProvisioningUpkeep:
     async def _count_enrolled_without_report(self) -> None:
         """Refresh the enrolled-without-recent-report gauge, apart from the phase gauges."""
         try:
-            quiet = await self._store.enrolled_without_recent_report(self._stale_threshold)
+            quiet = await self.store.enrolled_without_recent_report(self.stale_threshold)
         except Exception as error:  # a metric must never fail the maintenance round
             log.warning("maintenance.enrolled_count_failed", extra={"error": repr(error)})
             return

@@ -9,17 +9,14 @@ the reap committed. A round repeats batches until one comes back short.
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 from typing import Protocol
 
-import asyncpg
-
 from controlplane import metrics
-from controlplane.actors.maintenance.job import until_short
+from controlplane.actors.maintenance.job import OnStore, tally, units_released, until_short
 from controlplane.domain.jobs import EndedLease, StaleRule
 from controlplane.store import leases, runner_release
-
-log = logging.getLogger("controlplane.maintenance")
+from controlplane.store.pool import PoolAdapter
 
 
 class ReaperStore(Protocol):
@@ -29,39 +26,28 @@ class ReaperStore(Protocol):
         ...
 
 
-class PoolReaperStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self._pool = pool
-
+class PoolReaperStore(PoolAdapter):
     async def reap(self, rule: StaleRule, limit: int) -> tuple[list[EndedLease], int]:
         async with self._pool.acquire() as conn:
             expired = await leases.reap(conn, rule, limit=limit)
-            released = await runner_release.release_after_leases(conn, expired)
-        return expired, released
+            return await runner_release.with_units_released(conn, expired)
 
 
-class LeaseReaper:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseReaper(OnStore[ReaperStore]):
     name = "lease_reaper"
 
-    def __init__(self, store: ReaperStore, *, rule: StaleRule, interval: float, limit: int) -> None:
-        self._store = store
-        self._rule = rule
-        self.interval = interval
-        self._limit = limit
+    rule: StaleRule
+    limit: int
 
     async def run_once(self) -> int:
         """Expire stale leases until a batch finds fewer than the limit; return how many."""
-        return await until_short(self._batch, self._limit)
+        return await until_short(self._batch, self.limit)
 
     async def _batch(self) -> tuple[int, int]:
-        expired, released = await self._store.reap(self._rule, self._limit)
-        if released:
-            metrics.units_released.labels("maintenance").inc(released)
+        expired, released = await self.store.reap(self.rule, self.limit)
+        units_released(released)
         retried = sum(1 for lease in expired if lease.retried)
-        if retried:
-            metrics.jobs_retried.inc(retried)
-            log.info("maintenance.leases_retried", extra={"count": retried})
-        if len(expired) > retried:
-            metrics.leases_expired.inc(len(expired) - retried)
-            log.info("maintenance.leases_expired", extra={"count": len(expired) - retried})
+        tally(retried, metrics.jobs_retried, "maintenance.leases_retried")
+        tally(len(expired) - retried, metrics.leases_expired, "maintenance.leases_expired")
         return len(expired), len(expired)

@@ -4,13 +4,13 @@ statement its own transaction (`store/retention.py`; no lock beyond the rows del
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
-import asyncpg
-
-from controlplane.actors.maintenance.job import drain
+from controlplane.actors.maintenance.job import OnStore, drain
 from controlplane.store import retention
+from controlplane.store.pool import PoolAdapter
 
 log = logging.getLogger("controlplane.maintenance")
 
@@ -23,44 +23,27 @@ class RetentionStore(Protocol):
         ...
 
 
-class PoolRetentionStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self._pool = pool
-
+class PoolRetentionStore(PoolAdapter):
     async def prune_events(self, older_than: timedelta, limit: int) -> int:
-        async with self._pool.acquire() as conn:
-            return await retention.prune_events(conn, older_than, limit)
+        return await self._on_pool(retention.prune_events, older_than, limit)
 
     async def prune_tombstones(self, older_than: timedelta, limit: int) -> int:
-        async with self._pool.acquire() as conn:
-            return await retention.prune_tombstones(conn, older_than, limit)
+        return await self._on_pool(retention.prune_tombstones, older_than, limit)
 
 
-class Retention:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Retention(OnStore[RetentionStore]):
     name = "retention"
 
-    def __init__(
-        self,
-        store: RetentionStore,
-        *,
-        interval: float,
-        events: timedelta,
-        tombstones: timedelta,
-        batch: int,
-    ) -> None:
-        self._store = store
-        self.interval = interval
-        self._events = events
-        self._tombstones = tombstones
-        self._batch = batch
+    events: timedelta
+    tombstones: timedelta
+    batch: int
 
     async def run_once(self) -> tuple[int, int]:
         """Delete events and tombstones past their retention; return how many of each."""
-        events = await drain(
-            lambda limit: self._store.prune_events(self._events, limit), self._batch
-        )
+        events = await drain(lambda limit: self.store.prune_events(self.events, limit), self.batch)
         tombstones = await drain(
-            lambda limit: self._store.prune_tombstones(self._tombstones, limit), self._batch
+            lambda limit: self.store.prune_tombstones(self.tombstones, limit), self.batch
         )
         if events or tombstones:
             log.info("maintenance.pruned", extra={"events": events, "tombstones": tombstones})

@@ -4,12 +4,13 @@ refers to (`sessions.collect_garbage`: session rows `FOR UPDATE SKIP LOCKED`, th
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
-import asyncpg
-
+from controlplane.actors.maintenance.job import OnStore
 from controlplane.store import sessions
+from controlplane.store.pool import PoolAdapter
 
 log = logging.getLogger("controlplane.maintenance")
 
@@ -22,43 +23,31 @@ class SessionStore(Protocol):
         ...
 
 
-class PoolSessionStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self._pool = pool
-
+class PoolSessionStore(PoolAdapter):
     async def collect_garbage(
         self, *, manual_retention: timedelta, capped_retention: timedelta, limit: int
     ) -> int:
-        async with self._pool.acquire() as conn:
-            return await sessions.collect_garbage(
-                conn,
-                manual_retention=manual_retention,
-                capped_retention=capped_retention,
-                limit=limit,
-            )
+        return await self._on_pool(
+            sessions.collect_garbage,
+            manual_retention=manual_retention,
+            capped_retention=capped_retention,
+            limit=limit,
+        )
 
 
-class SessionCleanup:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionCleanup(OnStore[SessionStore]):
     name = "session_gc"
 
-    def __init__(
-        self,
-        store: SessionStore,
-        *,
-        interval: float,
-        limit: int,
-        manual_retention: timedelta,
-        capped_retention: timedelta,
-    ) -> None:
-        self._store = store
-        self.interval = interval
-        self._limit = limit
-        self._manual = manual_retention
-        self._capped = capped_retention
+    limit: int
+    manual_retention: timedelta
+    capped_retention: timedelta
 
     async def run_once(self) -> int:
-        deleted = await self._store.collect_garbage(
-            manual_retention=self._manual, capped_retention=self._capped, limit=self._limit
+        deleted = await self.store.collect_garbage(
+            manual_retention=self.manual_retention,
+            capped_retention=self.capped_retention,
+            limit=self.limit,
         )
         if deleted:
             log.info("maintenance.sessions_deleted", extra={"count": deleted})

@@ -38,7 +38,11 @@ its notice stays until a round that planned after it walks the workspace or read
 (A walk also leaves out the workspaces it can give nothing because a template has no slot left,
 rounds.py says why; their figures, read in one statement, are kept here under the same rule as a
 covered workspace's round: carried while no notice came and the fingerprint, read in the
-figures' own snapshot, is unchanged. Figures of a workspace whose own provisioners cover some of
+figures' own snapshot, is unchanged. So is the round of a walked workspace it left uncovered:
+its stats are the figures a read would give after it, its own grants counted as reserved, and
+its fingerprint is read after its writes; without that, the next round would run its
+transaction again only to find it can give nothing (issue 16: a hot workspace's GROUP BY over
+its pending rows, twice a round). Figures of a workspace whose own provisioners cover some of
 its demand are not kept, since that changes with time alone.) Notifications lost while the
 listener reconnects are covered by its `resync` (a full walk) and the periodic full walk. What a
 skipped workspace reports in `demand` is what its last walk found (its queued count may have
@@ -120,7 +124,12 @@ class WalkMemory:
 
     def walked(self, entry: WalkEntry, result: WorkspaceRound | None) -> None:
         """Remember a walked workspace while it stays covered (None: skipped as busy, and
-        still notified). A committed round saw every notice noted before the round planned."""
+        still notified). A committed round saw every notice noted before the round planned.
+        A round that left the workspace uncovered is remembered as its figures (those a read
+        would give after it: its stats count its own grants as reserved), under the same rule
+        as figures read, so the next round does not run its transaction again only to find
+        that it can give nothing; not one that left demand to the workspace's own provisioners
+        (no fingerprint)."""
         self._figured.pop(entry.workspace_id, None)
         if result is not None:
             self._seen(entry.workspace_id)
@@ -130,8 +139,10 @@ class WalkMemory:
             # The fingerprint the round left (its own grants included), else the list's.
             after = entry.reservations if result.reservations is None else result.reservations
             self._covered[entry.workspace_id] = (after, result)
-        else:
-            self._covered.pop(entry.workspace_id, None)
+            return
+        self._covered.pop(entry.workspace_id, None)
+        if result is not None and result.reservations is not None:
+            self._figured[entry.workspace_id] = (result.reservations, _figures_only(result))
 
     def figures(self, workspace_id: UUID) -> WorkspaceRound | None:
         """Figures read in an earlier round that still hold (no notice, the same fingerprint
@@ -159,12 +170,17 @@ class WalkMemory:
         """A left-out workspace's last round, with only its demand figures (nothing in it is
         granted or bound again)."""
         _, result = self._covered[workspace_id]
-        return replace(
-            result,
-            allocation=replace(result.allocation, reservations=(), rebound=0),
-            grants=(),
-            bound=0,
-            rebound=0,
-            terminate_intents=(),
-            terminate_truncated=False,
-        )
+        return _figures_only(result)
+
+
+def _figures_only(result: WorkspaceRound) -> WorkspaceRound:
+    """A round with only its demand figures (nothing in it is granted or bound again)."""
+    return replace(
+        result,
+        allocation=replace(result.allocation, reservations=(), rebound=0),
+        grants=(),
+        bound=0,
+        rebound=0,
+        terminate_intents=(),
+        terminate_truncated=False,
+    )

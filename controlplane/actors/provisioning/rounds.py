@@ -153,15 +153,18 @@ class RoundOutcome:
     figured: list[UUID] = field(default_factory=list)  # nothing to give them: figures only
 
     def record(self, result: WorkspaceRound) -> None:
-        """Add one committed workspace transaction."""
+        """Add one committed workspace transaction (or one's figures). A count of 0 is not
+        added: a walk records each of up to 1,000 listed workspaces every round."""
         self.rounds.append(result)
-        metrics.activation_outcomes.labels("rebound").inc(result.rebound)
+        if result.rebound:
+            metrics.activation_outcomes.labels("rebound").inc(result.rebound)
         reaped = sum(
             1
             for intent in result.terminate_intents
             if intent.reason is TerminateReason.ACTIVATION_TIMEOUT and not intent.retry
         )
-        metrics.activation_outcomes.labels("reaped").inc(reaped)
+        if reaped:
+            metrics.activation_outcomes.labels("reaped").inc(reaped)
 
     @property
     def stats(self) -> list[WorkspaceDemand]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
 
@@ -126,30 +127,24 @@ class DemandSweep:
         return woken
 
 
+@dataclass(frozen=True, slots=True)
 class PoolSweep:
     """The demand sweep's view of the store: one statement on a pooled connection."""
 
-    def __init__(
-        self,
-        pool: asyncpg.Pool,
-        activation_timeout: timedelta,
-        covering_window: timedelta,
-        pending_cap: int,
-    ) -> None:
-        self._pool = pool
-        self._timeout = activation_timeout
-        self._window = covering_window
-        self._cap = pending_cap
+    pool: asyncpg.Pool
+    activation_timeout: timedelta
+    covering_window: timedelta
+    pending_cap: int
 
     async def figures(
         self, sessions: Sequence[demand_sweep.SweptSession], since: datetime | None
     ) -> demand_sweep.Read:
-        async with borrow(self._pool) as conn:
+        async with borrow(self.pool) as conn:
             return await demand_sweep.sweep_figures(
                 conn,
                 sessions,
                 since=since,
-                activation_timeout=self._timeout,
-                covering_window=self._window,
-                pending_cap=self._cap,
+                activation_timeout=self.activation_timeout,
+                covering_window=self.covering_window,
+                pending_cap=self.pending_cap,
             )
