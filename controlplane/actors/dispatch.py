@@ -9,7 +9,10 @@ Wake-ups, each coalesced into the actor's pending *hint* (the label sets of new 
   the listener after the enqueue committed, or after a keyed lease ended (its key's waiting jobs);
 * a new waiter (it is tried at once, alone);
 * a safety tick while waiters are parked, for notifications lost while the listener reconnected;
-  after a reconnect the listener also wakes every actor.
+  after a reconnect the listener also wakes every actor. Ticks are paced per replica
+  (actors/ticks.py): each wait lasts a random 0.8 to 1 of the tick, and at most `tick_passes`
+  tick passes run at once, so actors that started together do not claim together for ever; a
+  real wake-up never waits for a tick's turn.
 
 A pass walks the waiters in arrival order and claims for them. A run of consecutive uncapped
 waiters with the same labels is served by one batch claim (one statement pairs the k-th job in
@@ -65,6 +68,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from controlplane.actors.paused import PausedSessions
+from controlplane.actors.ticks import TickTurns, next_tick
 from controlplane.actors.waiters import PutBackStore, Waiter, WaiterState, observe_claim, put_back
 from controlplane.domain.jobs import ClaimedJob, SessionClaims
 from controlplane.domain.labels import LabelSet
@@ -106,10 +110,13 @@ class WorkspaceActor:
         store: ClaimStore,
         tick_seconds: float,
         touch_seconds: float = 10.0,
+        turns: TickTurns | None = None,
     ) -> None:
         self.workspace_id = workspace_id
         self._store = store
         self._tick = tick_seconds
+        self._turns = turns  # None: tick passes unlimited
+        self._has_turn = False
         self._touch_every = touch_seconds
         self._touched_at = -touch_seconds
         # Exactly the waiters still waiting, in arrival order (dicts as ordered sets): a waiter
@@ -170,12 +177,14 @@ class WorkspaceActor:
         """Serve until nobody has waited for `idle_seconds`, then return (the caller retires us
         in the same step: see "Retirement" above)."""
         while True:
+            turn = False
             if self._waiters or self._new:
-                with anyio.move_on_after(self._tick) as tick:
+                with anyio.move_on_after(next_tick(self._tick)) as tick:
                     await self._wake.wait()
                 if tick.cancelled_caught:  # the safety tick: anything may have changed
                     self._hint = _ALL
                     self._empty = []
+                    turn = await self._tick_turn()
             else:
                 retire_at = self._idle_since + idle_seconds
                 with anyio.move_on_after(retire_at - anyio.current_time()):
@@ -183,8 +192,40 @@ class WorkspaceActor:
                 if not self._waiters and not self._new and anyio.current_time() >= retire_at:
                     return
             self._wake = anyio.Event()
-            await self._pass()
-            await self._touch()
+            try:
+                await self._pass()
+                await self._touch()
+            finally:
+                if turn and self._turns is not None:
+                    self._has_turn = False
+                    self._turns.release()
+
+    def granted(self) -> None:
+        """The tick turn this actor queued for is its own (`TickTurns`)."""
+        self._has_turn = True
+        self._wake.set()
+
+    async def _tick_turn(self) -> bool:
+        """Wait for a turn to run this tick's pass; True when holding one (release it after the
+        pass). False when turns are unlimited, or when a real wake-up came first: the pass then
+        runs at once, without a turn, and this actor leaves the queue."""
+        if self._turns is None:
+            return False
+        if self._turns.take(self):
+            return True
+        try:
+            await self._wake.wait()  # set by `granted` or by a wake-up, whichever comes first
+        except BaseException:
+            if self._has_turn:
+                self._has_turn = False
+                self._turns.release()
+            else:
+                self._turns.leave(self)
+            raise
+        if self._has_turn:
+            return True
+        self._turns.leave(self)
+        return False
 
     async def _touch(self) -> None:
         """Stamp the liveness of every parked runner's session, at most once per interval."""
@@ -343,9 +384,11 @@ class Dispatcher:
         touch_seconds: float = 10.0,
         max_waiters_per_workspace: int = 20_000,
         idle_seconds: float = 5.0,
+        tick_passes: int = 4,
         on_retire: Callable[[UUID], None] | None = None,
     ) -> None:
-        """`on_retire` is called with the workspace in the very step its actor is forgotten
+        """`tick_passes` bounds the safety-tick passes running at once (actors/ticks.py).
+        `on_retire` is called with the workspace in the very step its actor is forgotten
         (tests use it to make a wake-up or a waiter arrive in that step)."""
         self._store = store
         self._tick = tick_seconds
@@ -353,6 +396,7 @@ class Dispatcher:
         self._max_waiters = max_waiters_per_workspace
         self._idle = idle_seconds
         self._on_retire = on_retire
+        self._turns = TickTurns(tick_passes)
         self._actors: dict[UUID, WorkspaceActor] = {}
         self._group: TaskGroup | None = None
         self._closed = False
@@ -384,7 +428,7 @@ class Dispatcher:
         actor = self._actors.get(waiter.session.workspace_id)
         if actor is None:
             actor = WorkspaceActor(
-                waiter.session.workspace_id, self._store, self._tick, self._touch
+                waiter.session.workspace_id, self._store, self._tick, self._touch, self._turns
             )
             self._actors[actor.workspace_id] = actor
             self._group.start_soon(self._supervise, actor)
