@@ -186,9 +186,10 @@ def _walk(limit: str, also: str, bound: int) -> str:
                LIMIT (SELECT {bound} + {limit})"""  # noqa: S608 -- constants and the caller's limit
 
 
-def _free_heads(limit: str, also: str, bound: int) -> str:
+def _free_heads(limit: str, bound: int) -> str:
     """The first `limit` heads (first claimable rows) of projects with no lease found on the
-    walk, in plain order, each of share 1 and `head`. More than one needs each project's first
+    walk (the statement's `walk`, `_walk`'s rows, read as far as needed and no further), in
+    plain order, each of share 1 and `head`. More than one needs each project's first
     row on the walk (`nth`), so the walk is read whole. One is taken lazily: the walk stops at
     the first row of a project with no lease, which is that project's head (every row before it
     is of a leased project), or else at its last row, returned as no `head`: so no row at all
@@ -197,14 +198,14 @@ def _free_heads(limit: str, also: str, bound: int) -> str:
         return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share, head FROM (
                        SELECT *, row_number() OVER (ORDER BY {PLAIN_ORDER}) AS step,
                               {_unleased("w")} AS head
-                       FROM ({_walk(limit, also, bound)}) AS w) AS w
+                       FROM walk AS w) AS w
                    WHERE head OR step = {bound} + 1
                    ORDER BY {PLAIN_ORDER}
                    LIMIT 1"""  # noqa: S608 -- constants
     return f"""SELECT {_PICK_COLUMNS}, 1::bigint AS share, true AS head FROM (
                    SELECT *, row_number() OVER (PARTITION BY project_id ORDER BY {PLAIN_ORDER})
                           AS nth
-                   FROM ({_walk(limit, also, bound)}) AS w) AS w
+                   FROM walk AS w) AS w
                WHERE nth = 1 AND {_unleased("w")}
                ORDER BY {PLAIN_ORDER}
                LIMIT {limit}"""  # noqa: S608 -- constants and the caller's limit
@@ -255,8 +256,8 @@ def fair_pick(limit: str, also: str, bound: int = FAIR_WALK) -> str:
         whole = "NOT EXISTS (SELECT 1 FROM free)"
     else:
         whole = f"(SELECT count(*) FROM walk) < {bound} + {limit}"  # noqa: S608
-    return f"""WITH free AS MATERIALIZED ({_free_heads(limit, also, bound)}),
-          walk AS MATERIALIZED ({_walk(limit, also, bound)})
+    return f"""WITH walk AS MATERIALIZED ({_walk(limit, also, bound)}),
+          free AS MATERIALIZED ({_free_heads(limit, bound)})
           SELECT {_PICK_COLUMNS}, share FROM (
               SELECT {_PICK_COLUMNS}, share FROM free WHERE {heads} >= {limit}
               UNION ALL
