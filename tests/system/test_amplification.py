@@ -10,6 +10,7 @@ database at most once per `health.refresh_seconds` however many requests arrive.
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from typing import Any
@@ -136,10 +137,11 @@ async def test_a_burst_of_readyz_and_metrics_reads_the_database_at_most_once_a_s
     ):
         depth_before = proxy.count(QUEUE_DEPTH)
         migrations_before = proxy.count(MIGRATIONS_APPLIED)
-        statuses: list[int] = []
+        answers: list[tuple[str, int, str]] = []
 
         async def probe(path: str) -> None:
-            statuses.append((await http.get(path)).status_code)
+            answer = await http.get(path)
+            answers.append((path, answer.status_code, answer.text))
 
         started = anyio.current_time()
         with anyio.fail_after(60):
@@ -148,7 +150,17 @@ async def test_a_burst_of_readyz_and_metrics_reads_the_database_at_most_once_a_s
                     group.start_soon(probe, "/readyz" if index % 2 else "/metrics")
         elapsed = anyio.current_time() - started
 
-        assert statuses == [200] * 200
+        assert len(answers) == 200
+        assert all(status == 200 for path, status, _ in answers if path == "/metrics"), answers
+        # Every readiness answer carries the database's facts. Its listener check is not what
+        # this test is about: the proxy runs in this test's event loop, beside the 200 requests,
+        # and on a loaded machine it can hold the listener's probe past its 2 s deadline, so the
+        # daemon rightly reconnects and /readyz says 503 for a moment (seen once under load 30).
+        for path, status, text in answers:
+            if path == "/readyz":
+                checks = json.loads(text)["checks"]
+                assert (checks["database"], checks["migrations"]) == ("ok", "ok"), text
+                assert status == 200 or checks["listener"] == "disconnected", text
         bound = math.ceil(elapsed / REFRESH_SECONDS) + 1
         refreshes = proxy.count(QUEUE_DEPTH) - depth_before
         assert 1 <= refreshes <= bound, (refreshes, elapsed)
