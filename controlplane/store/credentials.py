@@ -25,41 +25,23 @@ from controlplane.domain.provisioners import Provisioner
 from controlplane.errors import NotFound
 from controlplane.store import pages, provisioners
 from controlplane.store.pool import Conn
-from controlplane.store.records import TokenTable, found_by_digest
-
-
-def _credential(row: asyncpg.Record, kind: str | None = None) -> Credential:
-    return Credential(
-        id=row["id"],
-        kind=kind or row["kind"],
-        name=row["name"],
-        workspace_id=row["workspace_id"],
-        display_prefix=row["display_prefix"],
-        created_at=row["created_at"],
-        expires_at=row["expires_at"],
-        revoked_at=row["revoked_at"],
-        revocation_reason=row["revocation_reason"],
-        role=Role(row["role"]) if "role" in row else Role.OWNER,
-    )
+from controlplane.store.records import TokenTable, found_by_digest, from_row, row_mapper
 
 
 def _manual_token(row: asyncpg.Record) -> Credential:
-    return _credential(row, "manual-registration")
+    return from_row(Credential, row, kind="manual-registration", role=Role.OWNER)
 
 
 _COLUMNS = (
     "id, name, workspace_id, display_prefix, created_at, expires_at, revoked_at, revocation_reason"
 )
 _KEY_COLUMNS = f"kind, role, {_COLUMNS}"  # an API key's
-_API_KEYS = TokenTable("api_keys", _KEY_COLUMNS, _credential)
+# The API key of a row holding its columns (made once: every request with a key reads one).
+api_key = row_mapper(Credential, role=Role)
+_API_KEYS = TokenTable("api_keys", _KEY_COLUMNS, api_key)
 _MANUAL_TOKENS = TokenTable("manual_registration_tokens", _COLUMNS, _manual_token)
 # For a read elsewhere that joins the key in (store/ui_sessions.py `by_secret`).
 API_KEY_COLUMNS = _KEY_COLUMNS
-
-
-def api_key(row: asyncpg.Record) -> Credential:
-    """The API key of a row holding API_KEY_COLUMNS."""
-    return _credential(row)
 
 
 # A manual registration token still usable: neither revoked nor expired (by the database's clock).
@@ -174,7 +156,7 @@ async def create_api_key(
 async def api_key_by_digest(conn: Conn, kind: str, sha256: str) -> Credential | None:
     return await found_by_digest(
         conn,
-        _credential,
+        api_key,
         f"""
         SELECT token_sha256, {_KEY_COLUMNS} FROM api_keys
         WHERE token_sha256 = $1 AND kind = $2
@@ -200,7 +182,7 @@ async def list_api_keys(
         *pages.args(before, limit),
         kind,
     )
-    return [_credential(row) for row in rows]
+    return [api_key(row) for row in rows]
 
 
 async def revoke_api_key(conn: Conn, key_id: UUID, *, reason: str | None = None) -> Credential:

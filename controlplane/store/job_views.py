@@ -70,21 +70,10 @@ _ALL = """
 
 def _view(row: asyncpg.Record, *, with_tail: bool) -> JobView:
     labels = row["required_labels"]
-    return JobView(
-        job_execution_id=row["job_execution_id"],
-        status=row["status"],
-        workspace_id=row["workspace_id"],
-        job_id=row["job_id"],
+    return from_row(
+        JobView,
+        row,
         required_labels=None if labels is None else tuple(labels),
-        enqueued_at=row["enqueued_at"],
-        started_at=row["started_at"],
-        ended_at=row["ended_at"],
-        changed_at=row["changed_at"],
-        runner_session_id=row["runner_session_id"],
-        cancel_requested=row["cancel_requested"],
-        outcome=row["outcome"],
-        ended_by=row["ended_by"],
-        exit_code=row["exit_code"],
         output_tail=row["output_tail"] if with_tail else None,
     )
 

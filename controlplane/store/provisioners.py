@@ -28,8 +28,6 @@ from __future__ import annotations
 from datetime import timedelta
 from uuid import UUID
 
-import asyncpg
-
 from controlplane.domain import tokens
 from controlplane.domain.binding import Scope
 from controlplane.domain.provisioners import Provisioner
@@ -37,7 +35,7 @@ from controlplane.errors import NotFound
 from controlplane.store import pages
 from controlplane.store.pool import Conn
 from controlplane.store.provisioner_sessions import TAKEOVER_CHANNEL
-from controlplane.store.records import TokenTable
+from controlplane.store.records import TokenTable, row_mapper
 from controlplane.store.reservations import ACTIVE_SQL, lock_workspace
 from controlplane.store.runner_release import lock_linked_runners, release_terminal
 
@@ -53,11 +51,8 @@ _COLUMNS = (
     f"revocation_reason, {_LAST_SEEN} AS last_seen_at"
 )
 
-
-def _provisioner(row: asyncpg.Record) -> Provisioner:
-    return Provisioner(**{key: row[key] for key in Provisioner.__slots__})
-
-
+# Made once: every request of a provisioner reads its token's row.
+_provisioner = row_mapper(Provisioner)
 _TOKENS = TokenTable("provisioner_tokens", _COLUMNS, _provisioner)
 
 

@@ -50,17 +50,6 @@ _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
 
 
-def identity(row: asyncpg.Record) -> JobIdentity:
-    return JobIdentity(
-        workspace_id=row["workspace_id"],
-        workflow_run_id=row["workflow_run_id"],
-        workflow_run_attempt_id=row["workflow_run_attempt_id"],
-        job_id=row["job_id"],
-        job_execution_id=row["job_execution_id"],
-        project_id=row["project_id"],
-    )
-
-
 def json_value(raw: str | None) -> Any:
     """jsonb arrives as text (we install no codec, so the hot path decodes only what it reads)."""
     return None if raw is None else _json_decoder.decode(raw)
@@ -68,6 +57,33 @@ def json_value(raw: str | None) -> Any:
 
 def json_text(value: Any) -> str:
     return _json_encoder.encode(value).decode()
+
+
+def row_mapper(
+    kind: type[T], /, **convert: Callable[[Any], object]
+) -> Callable[[asyncpg.Record], T]:
+    """The function that makes the domain dataclass `kind` of a row whose columns are named as
+    its fields, a field in `convert` passed through its function (`state=RunnerState`). Made
+    once per type for the hot paths: it is written out as `kind(a=row["a"], ...)` would be by
+    hand, so a row costs what a hand-written mapper costs (`from_row` reads the field names
+    again for each row)."""
+    names = getattr(kind, "__dataclass_fields__")  # noqa: B009 -- mypy knows no such field of type[T]
+    if unknown := set(convert) - set(names):
+        raise TypeError(f"{kind.__name__} has no field {', '.join(sorted(unknown))}")
+    # Field names are identifiers (dataclass checks them), so the source below is made of
+    # nothing but names the class declares.
+    fields = ", ".join(
+        f"{name}=_{name}(row[{name!r}])" if name in convert else f"{name}=row[{name!r}]"
+        for name in names
+    )
+    scope: dict[str, Any] = {"_kind": kind, **{f"_{name}": f for name, f in convert.items()}}
+    exec(f"def {kind.__name__}_from_row(row):\n    return _kind({fields})\n", scope)  # noqa: S102 -- see above
+    into: Callable[[asyncpg.Record], T] = scope[f"{kind.__name__}_from_row"]
+    return into
+
+
+# A job's identity, read from its IDENTITY_COLUMNS on every claim, completion and reap.
+identity = row_mapper(JobIdentity)
 
 
 def from_row(kind: type[T], row: asyncpg.Record, /, **given: object) -> T:

@@ -48,7 +48,7 @@ from controlplane.domain.runner_instances import (
 )
 from controlplane.store import locks
 from controlplane.store.pool import Conn
-from controlplane.store.records import from_row
+from controlplane.store.records import from_row, row_mapper
 
 # Every runner-instance column a domain ProvisionedRunner needs, for `FROM runner_instances ri`,
 # with the expiry of its open control session (NULL when it has none).
@@ -77,27 +77,10 @@ BOOTING_SQL = sql_states({RunnerState.STARTING, RunnerState.RUNNING})
 RESERVATION_COLUMNS = "id, workspace_id, provisioner_id, required_labels, count, kind, expires_at"
 
 
-def runner_from_row(row: asyncpg.Record) -> ProvisionedRunner:
-    return ProvisionedRunner(
-        id=row["id"],
-        provisioner_id=row["provisioner_id"],
-        created_at=row["created_at"],
-        state=RunnerState(row["state"]),
-        labels=tuple(row["labels"]),
-        reported_at=row["reported_at"],
-        updated_at=row["updated_at"],
-        launch_kind=LaunchKind(row["launch_kind"]),
-        template_key=row["template_key"],
-        provider_runner_id=row["provider_runner_id"],
-        workspace_id=row["workspace_id"],
-        reservation_id=row["reservation_id"],
-        intended_reservation_id=row["intended_reservation_id"],
-        assigned_at=row["assigned_at"],
-        runner_session_id=row["runner_session_id"],
-        reservation_released_at=row["reservation_released_at"],
-        control_session_expires_at=row["control_session_expires_at"],
-        drained_at=row["drained_at"],
-    )
+# Made once (records.row_mapper): every allocation round reads many runner rows.
+runner_from_row = row_mapper(
+    ProvisionedRunner, state=RunnerState, labels=tuple, launch_kind=LaunchKind
+)
 
 
 def reservation_from_row(row: asyncpg.Record) -> Reservation:

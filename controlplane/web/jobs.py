@@ -52,17 +52,13 @@ def _job(view: job_views.JobView) -> wire.JobOut:
 def waiting_out(
     waiting: Waiting, takers: Takers, place: QueuePlace | None = None
 ) -> wire.WaitingOut:
-    return wire.WaitingOut(
-        stuck=waiting.stuck,
-        missing_labels=list(waiting.missing_labels),
-        reason=waiting.reason,
-        live_runners=takers.live_runners,
-        busy_runners=takers.busy_runners,
-        templates=takers.templates,
-        paused_runners=takers.paused_runners,
+    return by_name(
+        wire.WaitingOut,
+        waiting,
+        takers,
         position=None if place is None else place.position,
         reasons=[
-            wire.WaitingReasonOut(code=reason.code, message=reason.message)
+            by_name(wire.WaitingReasonOut, reason)
             for reason in waiting_reasons(waiting, takers, place)
         ],
     )
