@@ -48,7 +48,7 @@ from bench.installation import (
     py_spy,
 )
 from bench.installation_clients import Template, enqueue, job, orchestrator_key
-from controlplane.store import demand, demand_inputs, walk_figures
+from controlplane.store import demand_inputs, demand_list, walk_figures
 from controlplane.store.embedded import EmbeddedPostgres
 
 # The replica's sitecustomize (Python imports it at start, before the daemon's code runs): wraps
@@ -189,11 +189,15 @@ def timeline(stamp: dict[str, Any], events: list[dict[str, Any]]) -> list[str]:
 
 async def explain(conn: asyncpg.Connection, hot: uuid.UUID, cold: uuid.UUID) -> list[str]:
     """EXPLAIN (ANALYZE, BUFFERS) of the statements a round runs, at this backlog."""
-    listed, _ = await demand.walk_list(conn)
+    listed, _ = await demand_list.walk_list(conn)
     demand_rows = demand_inputs.startable("$1")
     startable = f"SELECT required_labels, count(*)::int, min(created_at) FROM ({demand_rows}) AS d GROUP BY required_labels"  # noqa: E501, S608 -- interpolates constants only
     statements: list[tuple[str, str, tuple[Any, ...]]] = [
-        ("the walk's list (one notified workspace)", demand._WALK_LIST, (None, 1000, None, [cold])),
+        (
+            "the walk's list, its first page (one notified workspace)",
+            demand_list._PAGE,
+            (None, 1133, None, None, None, [cold], demand_list._NIL),
+        ),
         ("a hot workspace's demand groups", startable, (hot,)),
         ("a hot workspace's figures", walk_figures._FIGURES, ([hot], None)),
         ("a cold workspace's figures", walk_figures._FIGURES, ([cold], None)),

@@ -1,6 +1,6 @@
 """Demand allocation over PostgreSQL: one allocation round per workspace, with the binding of
 idle runners it decides, and one workspace of an installation provisioner's walk (the walk
-itself is the provisioner actor's).
+itself is the provisioner actor's; its list is `store/demand_list.py`'s).
 
 The decisions are `domain.demand.allocate` and `domain.binding.is_bindable`; this module reads
 their inputs under the locks that make them true (`store/demand_inputs.py`), and writes their
@@ -28,11 +28,11 @@ from controlplane.domain.demand import (
     without_pending,
 )
 from controlplane.domain.labels import LabelSet, canonicalise, matches
-from controlplane.domain.rounds import Grant, WalkEntry, WorkspaceRound
+from controlplane.domain.rounds import Grant, WorkspaceRound
 from controlplane.domain.terminate_intents import TerminateIntent
 from controlplane.errors import BindingMismatch
-from controlplane.store import locks
 from controlplane.store.demand_inputs import covering_labels, read_inputs, reservations_by_id
+from controlplane.store.demand_list import FINGERPRINT
 from controlplane.store.pool import Conn
 from controlplane.store.reservations import (
     db_now,
@@ -303,132 +303,6 @@ def _left_to_own(inputs: AllocationInputs, allocation: Allocation) -> bool:
 
 
 # --- installation scope --------------------------------------------------------------------------
-
-
-# A fingerprint of one workspace's live reservations (ids and counts; text, a numeric sum): equal
-# fingerprints, the same live reservations, for `WalkEntry` and a walk's `WorkspaceRound`.
-FINGERPRINT = """SELECT coalesce(sum(hashtextextended(r.id::text || ':' || r.count, 0)), 0)::text
-          FROM reservations r WHERE r.workspace_id = {workspace} AND r.expires_at > now()"""
-
-# The workspaces an installation walk lists, from `workspace_demand` (sql/0022): for each row of a
-# workspace that is not paused and that the eligibility admits, the oldest pending job not past
-# its queue deadline, one probe of pending_jobs_workspace_oldest_idx (NULL: none, so no demand:
-# every job is gone or past its deadline, the workspace is not listed, and the row is a
-# candidate for `prune_demand`). $1 the workspaces to consider (NULL: all), $2 the limit, $3 the
-# provisioner whose eligibility applies (NULL: none), $4 workspaces listed whatever their age
-# (those whose demand changed since the walk last visited them), in the same order as the rest.
-_WALK_LIST = f"""
-WITH probed AS MATERIALIZED (
-    SELECT d.workspace_id, o.oldest
-      FROM workspace_demand d
-      LEFT JOIN provisioner_eligibility e ON e.provisioner_id = $3
-      LEFT JOIN LATERAL (
-          SELECT p.created_at AS oldest FROM pending_jobs p
-           WHERE p.workspace_id = d.workspace_id
-             AND (p.expires_at IS NULL OR p.expires_at > now())
-           ORDER BY p.created_at LIMIT 1) o ON true
-     WHERE ($1::uuid[] IS NULL OR d.workspace_id = ANY($1::uuid[]))
-       AND NOT EXISTS (SELECT 1 FROM paused_workspaces pw WHERE pw.workspace_id = d.workspace_id)
-       AND (e.provisioner_id IS NULL
-            OR (e.mode = 'allow') = (d.workspace_id = ANY(e.workspace_ids)))
-), listed AS (
-    (SELECT workspace_id, oldest FROM probed WHERE oldest IS NOT NULL
-      ORDER BY oldest, workspace_id LIMIT $2)
-    UNION
-    SELECT workspace_id, oldest FROM probed
-     WHERE oldest IS NOT NULL AND workspace_id = ANY($4::uuid[])
-)
-SELECT l.workspace_id, l.oldest,
-       ({FINGERPRINT.format(workspace="l.workspace_id")}) AS reserved
-  FROM listed l
-UNION ALL
-SELECT w.workspace_id, NULL, NULL FROM probed w WHERE w.oldest IS NULL
- ORDER BY oldest NULLS LAST, workspace_id
-"""  # noqa: S608 -- interpolates a constant only: FINGERPRINT
-
-
-async def walk_list(
-    conn: Conn,
-    eligible: Collection[UUID] | None = None,
-    *,
-    provisioner_id: UUID | None = None,
-    limit: int = 1000,
-    changed: Collection[UUID] = (),
-) -> tuple[list[WalkEntry], list[UUID]]:
-    """The workspaces with pending jobs that could start (their workspace not paused, their
-    queue deadline not passed), oldest demand first (then id): the `limit` oldest (one walk
-    serves the oldest; the rest wait for a later round), and with them, whatever their age, those
-    of `changed` (the walk's memory of workspaces notified since it last visited them, so new
-    demand in a young workspace is walked the round it arrives); `eligible` None is all. With
-    `provisioner_id`, only those its eligibility admits (store/eligibility.py; no row: all),
-    read in this same statement, so every walk sees the eligibility as it stands and the limit
-    counts admitted workspaces only. The condition is `Eligibility.admits` in SQL.
-
-    Each entry carries a fingerprint of the workspace's live reservations (ids and counts), so
-    the walk can tell a workspace whose reservations changed or expired since it was last
-    walked (actors/provisioning/changes.py). Also returns the workspaces whose summary row has
-    no job that could start: `prune_demand` removes those left with no pending row at all.
-
-    Reads `workspace_demand`, one index probe per row of it (its rows are the workspaces with
-    pending jobs, and those emptied since the last prune), never a scan of pending_jobs; the
-    result is the one the GROUP BY over pending_jobs gave (tests/store/test_workspace_demand.py
-    compares them after random operations). Takes no lock."""
-    rows = await conn.fetch(
-        _WALK_LIST,
-        None if eligible is None else list(eligible),
-        limit,
-        provisioner_id,
-        list(changed),
-    )
-    entries = [
-        WalkEntry(r["workspace_id"], int(r["reserved"])) for r in rows if r["oldest"] is not None
-    ]
-    return entries, [r["workspace_id"] for r in rows if r["oldest"] is None]
-
-
-async def demand_workspaces(
-    conn: Conn,
-    eligible: Collection[UUID] | None = None,
-    *,
-    provisioner_id: UUID | None = None,
-    limit: int = 1000,
-) -> list[UUID]:
-    """The workspaces of `walk_list`, in its order."""
-    entries, _ = await walk_list(conn, eligible, provisioner_id=provisioner_id, limit=limit)
-    return [e.workspace_id for e in entries]
-
-
-async def prune_demand(conn: Conn, candidates: Collection[UUID]) -> int:
-    """Delete the `workspace_demand` rows of `candidates` that have no pending row; the number
-    deleted. A candidate whose key is busy (an insert into pending_jobs of that workspace has
-    not committed) is left for a later prune.
-
-    Locks: try-locks the `cp_workspace_demand` advisory keys of the candidates, exclusive, in
-    one statement (never waits, so no order matters); then, in a new statement whose snapshot
-    sees every insert that held the key before, deletes the rows still without a pending row.
-    The insert trigger holds the key shared to its commit, so a row is never deleted under a
-    pending row that is not visible yet. Runs in its own transaction."""
-    if not candidates:
-        return 0
-    async with conn.transaction():
-        locked = await conn.fetchval(
-            f"""
-            SELECT coalesce(array_agg(w), '{{}}') FROM unnest($1::uuid[]) AS w
-             WHERE pg_try_advisory_xact_lock({locks.sql_key(locks.WORKSPACE_DEMAND, "w")})
-            """,  # noqa: S608 -- interpolates a constant expression only: locks.sql_key
-            sorted(candidates),
-        )
-        if not locked:
-            return 0
-        status = await conn.execute(
-            """
-            DELETE FROM workspace_demand d
-             WHERE d.workspace_id = ANY($1::uuid[])
-               AND NOT EXISTS (SELECT 1 FROM pending_jobs p WHERE p.workspace_id = d.workspace_id)
-            """,
-            locked,
-        )
-    return int(status.split()[-1])
 
 
 async def allocate_in_walk(

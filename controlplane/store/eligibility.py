@@ -2,10 +2,10 @@
 provisioner actor at the start of every allocation walk, set by the admin API and the CLI.
 
 The walk itself reads it inside the statement that lists the workspaces with demand
-(store/demand.py `demand_workspaces`), once per round before its first workspace transaction, so
-a change applies from the provisioner's next round on (at the latest one and a half
-`provisioners.demand_safety_tick_seconds` later), without reconnecting; grants already made stay
-until they are used or expire.
+(store/demand_list.py `demand_workspaces`), once per round before its first workspace
+transaction, so a change applies from the provisioner's next round on (at the latest one and a
+half `provisioners.demand_safety_tick_seconds` later), without reconnecting; grants already made
+stay until they are used or expire.
 """
 
 from __future__ import annotations

@@ -18,10 +18,11 @@ Namespaces:
 * ``ephemeral_mint``: one (workspace, provisioner, provider runner id) triple, while a mint
   checks that the runner has no active ephemeral registration token; several are taken in
   sorted key order, in one statement, after every other lock of the mint (store/ephemeral.py).
-* ``workspace_demand``: one workspace's row of `workspace_demand` (sql/0022). Every insert into
-  pending_jobs takes it *shared* (its trigger, at the end of the statement, the last lock that
-  statement takes) and holds it to commit; `store/demand.py`'s prune only try-locks it
-  exclusive, so it never deletes the row under a pending row not committed yet, and never waits.
+* ``workspace_demand``: one workspace's row of `workspace_demand` (sql/0022, sql/0030). Every
+  insert into pending_jobs takes it *shared* (its trigger, at the end of the statement, before
+  it adds or lowers the row) and holds it to commit; `store/demand_list.py`'s prune only
+  try-locks it exclusive, so it never deletes the row, nor raises its bound, under a pending row
+  not committed yet, and never waits.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ MIGRATIONS = "cp_migrations"
 LEADER = "cp_leader"
 ADMIN_COMMAND = "cp_admin_command"
 EPHEMERAL_MINT = "cp_ephemeral_mint"
-WORKSPACE_DEMAND = "cp_workspace_demand"  # spelled out in sql/0022 too
+WORKSPACE_DEMAND = "cp_workspace_demand"  # spelled out in sql/0022 and sql/0030 too
 
 
 def key(namespace: str, *parts: UUID | str) -> int:

@@ -34,6 +34,7 @@ from controlplane.errors import Fenced
 from controlplane.store import (
     demand,
     demand_inputs,
+    demand_list,
     ephemeral,
     lifecycle,
     reconcile,
@@ -128,7 +129,7 @@ class SessionStore:
         """The workspaces with demand that this provisioner's eligibility admits (spec 3.5),
         read afresh by every walk: an operator's change applies from the next round on."""
         async with self.pool.acquire() as conn:
-            return await demand.demand_workspaces(conn, provisioner_id=self.provisioner.id)
+            return await demand_list.demand_workspaces(conn, provisioner_id=self.provisioner.id)
 
     async def walk_workspaces(self, changed: Collection[UUID] = ()) -> list[WalkEntry]:
         """`demand_workspaces`, with `changed` listed whatever their age, and each workspace's
@@ -136,10 +137,10 @@ class SessionStore:
         (actors/provisioning/changes.py); prunes the summary rows of workspaces left without
         pending jobs, in a transaction of its own."""
         async with self.pool.acquire() as conn:
-            entries, empty = await demand.walk_list(
+            entries, empty = await demand_list.walk_list(
                 conn, provisioner_id=self.provisioner.id, changed=changed
             )
-            await demand.prune_demand(conn, empty)
+            await demand_list.prune_demand(conn, empty)
         return entries
 
     async def walk_figures(

@@ -18,11 +18,11 @@ runner rows only after its reservation rows, and it never locks a reservation ro
 is deleting while holding one of that reservation's runners, so the two meet on runner rows in
 the same id order and cannot deadlock (P-45 forces that interleaving).
 
-The demand summary (`workspace_demand`, sql/0022) is outside this order. Only inserts into
-pending_jobs (enqueue, put-back, the reaper's retry) take its rows and its `cp_workspace_demand`
-keys (shared, at the end of their statement), and none of them holds or waits for a lock of the
-order above; the summary's prune only try-locks the keys. No transaction here inserts pending
-rows, so none holds a summary lock (docs/concurrency.md).
+The demand summary (`workspace_demand`, sql/0022, sql/0030) is outside this order. Only inserts
+into pending_jobs (enqueue, put-back, the reaper's retry) take its rows and its
+`cp_workspace_demand` keys (shared, at the end of their statement), and none of them holds or
+waits for a lock of the order above; the summary's prune only try-locks the keys. No
+transaction here inserts pending rows, so none holds a summary lock (docs/concurrency.md).
 
 A reservation is live iff `expires_at > now()` on the database clock. Releasing the last unit of
 a reservation deletes its row (`count > 0` is a CHECK). Expired reservations are never

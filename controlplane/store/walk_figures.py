@@ -32,8 +32,8 @@ from controlplane.domain.demand import (
 )
 from controlplane.domain.labels import LabelSet, canonicalise
 from controlplane.domain.rounds import WorkspaceRound
-from controlplane.store.demand import FINGERPRINT
 from controlplane.store.demand_inputs import startable
+from controlplane.store.demand_list import FINGERPRINT
 from controlplane.store.pool import Conn
 
 # One statement for workspaces $1: their startable demand groups (the round's own `startable`,

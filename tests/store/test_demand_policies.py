@@ -13,7 +13,7 @@ import anyio
 from controlplane import metrics
 from controlplane.domain.demand import Template
 from controlplane.domain.pauses import Operator, PauseKind
-from controlplane.store import claiming, demand, demand_inputs, pauses, queue
+from controlplane.store import claiming, demand_inputs, demand_list, pauses, queue
 from controlplane.store.pool import Conn
 from tests import provisioning as rows
 from tests.factories import holding, manual_session, minutes_ago, new_job
@@ -55,12 +55,12 @@ async def test_q24_jobs_past_their_queue_deadline_are_no_demand(
     other = uuid.uuid4()
     stale = new_job(other)
     await queue.enqueue(conn, [stale])
-    assert other in await demand.demand_workspaces(conn, [other])
+    assert other in await demand_list.demand_workspaces(conn, [other])
     await conn.execute(
         "UPDATE pending_jobs SET expires_at = now() WHERE job_execution_id = $1",
         stale.identity.job_execution_id,
     )
-    assert await demand.demand_workspaces(conn, [other]) == []
+    assert await demand_list.demand_workspaces(conn, [other]) == []
 
 
 async def test_q89_a_paused_workspace_is_no_demand_until_resumed(
@@ -70,13 +70,13 @@ async def test_q89_a_paused_workspace_is_no_demand_until_resumed(
     provisioner = await rows.provisioner(conn, workspace)
     await set_paused(conn, workspace, True)
     assert await queued(conn, workspace) == 0
-    assert await demand.demand_workspaces(conn, [workspace]) == []
+    assert await demand_list.demand_workspaces(conn, [workspace]) == []
     result = await poll(conn, provisioner, workspace)
     assert launched(result) == []
     assert [(s.labels, s.queued) for s in result.allocation.stats if s.queued] == []
     await set_paused(conn, workspace, False)
     assert await queued(conn, workspace) == 2
-    assert await demand.demand_workspaces(conn, [workspace]) == [workspace]
+    assert await demand_list.demand_workspaces(conn, [workspace]) == [workspace]
     assert launched(await poll(conn, provisioner, workspace)) == [(("linux",), 2)]
 
 

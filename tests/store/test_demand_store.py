@@ -25,7 +25,7 @@ from controlplane.domain.labels import LabelSet
 from controlplane.domain.provisioners import Provisioner
 from controlplane.domain.rounds import WalkEntry, WorkspaceRound
 from controlplane.domain.terminate_intents import TerminateIntent, TerminateReason
-from controlplane.store import demand, demand_inputs, locks, provisioner_sessions
+from controlplane.store import demand, demand_inputs, demand_list, locks, provisioner_sessions
 from controlplane.store.pool import Conn
 from controlplane.store.provisioning import RoundTerms, SessionStore
 from tests import provisioning as rows
@@ -660,7 +660,7 @@ class WalkStore(SessionStore):
 
     async def walk_workspaces(self, changed: Collection[UUID] = ()) -> list[WalkEntry]:
         async with self.pool.acquire() as conn:
-            entries, _ = await demand.walk_list(conn, self.eligible, changed=changed)
+            entries, _ = await demand_list.walk_list(conn, self.eligible, changed=changed)
             return entries
 
     async def allocate_in_walk(

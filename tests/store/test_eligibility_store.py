@@ -11,7 +11,7 @@ import pytest
 
 from controlplane.domain.eligibility import EVERY_WORKSPACE, Eligibility, Mode
 from controlplane.errors import Conflict, NotFound
-from controlplane.store import demand, eligibility, provisioner_sessions
+from controlplane.store import demand_list, eligibility, provisioner_sessions
 from controlplane.store.pool import Conn
 from controlplane.store.provisioning import SessionStore
 from tests import provisioning as rows
@@ -62,7 +62,7 @@ async def test_the_walk_lists_the_workspaces_the_rule_admits_oldest_first(
     other = await rows.provisioner(conn)
     await eligibility.replace(conn, other.id, Eligibility(Mode.ALLOW, frozenset()))
     assert await store.demand_workspaces() == expected
-    assert await demand.demand_workspaces(conn) == [oldest, middle, newest]
+    assert await demand_list.demand_workspaces(conn) == [oldest, middle, newest]
 
 
 async def test_the_limit_counts_admitted_workspaces_only(pool: asyncpg.Pool, conn: Conn) -> None:
@@ -72,7 +72,7 @@ async def test_the_limit_counts_admitted_workspaces_only(pool: asyncpg.Pool, con
     for workspace_id in workspaces:
         await rows.pending_jobs(conn, workspace_id, ("linux",))
     await eligibility.replace(conn, inst.id, Eligibility(Mode.DENY, frozenset(workspaces[:2])))
-    found = await demand.demand_workspaces(conn, provisioner_id=inst.id, limit=1)
+    found = await demand_list.demand_workspaces(conn, provisioner_id=inst.id, limit=1)
     assert found == [workspaces[2]]
 
 

@@ -22,7 +22,14 @@ from controlplane.domain.demand import Template
 from controlplane.domain.labels import LabelSet
 from controlplane.domain.provisioners import Provisioner
 from controlplane.domain.rounds import WalkEntry, WorkspaceRound
-from controlplane.store import demand, demand_inputs, provisioner_sessions, queue, walk_figures
+from controlplane.store import (
+    demand,
+    demand_inputs,
+    demand_list,
+    provisioner_sessions,
+    queue,
+    walk_figures,
+)
 from controlplane.store.pool import Conn
 from controlplane.store.provisioning import RoundTerms
 from tests import provisioning as rows
@@ -64,7 +71,7 @@ class TwinStore(WalkStore):
 
     async def walk_workspaces(self, changed: Collection[UUID] = ()) -> list[WalkEntry]:
         async with self.pool.acquire() as conn:
-            entries, _ = await demand.walk_list(
+            entries, _ = await demand_list.walk_list(
                 conn, self.eligible, limit=self.limit, changed=changed
             )
             return entries

@@ -2,8 +2,8 @@
 changed since its last round, those the last round left uncovered, and every one on a slow
 periodic full walk (`provisioners.demand_full_walk_seconds`) or after a resync.
 
-The walk lists the workspaces with demand, oldest first (store/demand.py reads that list from
-the `workspace_demand` summary, at a cost per workspace with demand): the 1,000 oldest, and
+The walk lists the workspaces with demand, oldest first (store/demand_list.py reads that list
+from the `workspace_demand` summary, at a cost of about the rows it lists): the 1,000 oldest, and
 with them, whatever their age, every workspace notified since the walk last visited it
 (`marked`), so new demand in a young workspace is walked the round its notification arrives
 rather than after every older one. It stays listed so until its round commits (`walked`: a busy
