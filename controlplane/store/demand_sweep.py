@@ -36,8 +36,8 @@ that uses a unit of it removes a pending job of before the read, or one the enqu
 A row committed after the previous read by a transaction that began before it counts as created
 before it, so it moves the figures (a wake too many, not too few).
 
-The sweep's slow full round asks a second question, once per
-`provisioners.demand_full_round_seconds` and again in one statement for all the replica's
+The sweep's slow full round asks a second question, every half of
+`provisioners.demand_full_round_seconds` and again in one statement for the replica's quiet
 sessions (`full_round_due`): which sessions a round could find anything for at all, so that the
 safety round runs for those and an idle session's costs nothing.
 

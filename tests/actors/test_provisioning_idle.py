@@ -310,9 +310,10 @@ async def test_the_full_round_is_one_statement_an_interval_and_wakes_no_idle_ses
         _sweep, figures, fleet = await _full_round_fleet(group, [*workspaces, None])
         rounds = [store.rounds for store, _, _ in fleet]
         await anyio.sleep(3 * FULL)
-        # Three intervals: three statements for all six sessions, and not one round.
-        assert figures.full_statements == 3
-        assert figures.asked == [{actor.provisioner.id for _, actor, _ in fleet}] * 3
+        # A check every half interval: the first finds every session's round (first sight's)
+        # too recent; the next five ask about all six sessions in one statement each. No round.
+        assert figures.full_statements == 5
+        assert figures.asked == [{actor.provisioner.id for _, actor, _ in fleet}] * 5
         assert [store.rounds for store, _, _ in fleet] == rounds
         assert all(pushes.statistics().current_buffer_used == 0 for _, _, pushes in fleet)
         group.cancel_scope.cancel()
@@ -359,4 +360,22 @@ async def test_the_full_round_wakes_an_actor_holding_work_without_asking_about_i
         assert figures.asked == [{idle.provisioner.id}]
         assert (busy_store.rounds, idle_store.rounds) == (rounds[0] + 1, rounds[1])
         assert busy_pushes.statistics().current_buffer_used == 0  # the same figures
+        group.cancel_scope.cancel()
+
+
+async def test_the_full_round_leaves_out_a_session_busy_with_rounds() -> None:
+    """A session woken by its enqueues more often than every half interval is never woken for
+    the safety net, nor asked about: its own rounds read everything that round would."""
+    async with anyio.create_task_group() as group:
+        workspaces = [uuid.uuid4(), uuid.uuid4()]
+        _sweep, figures, fleet = await _full_round_fleet(group, workspaces)
+        [(busy_store, busy, _), (_idle_store, idle, _)] = fleet
+        figures.due = {busy.provisioner.id, idle.provisioner.id}
+        for _ in range(int(3 * FULL / 100)):
+            await anyio.sleep(100)
+            busy.wake()  # an enqueue's notification, every 100 s
+        await anyio.sleep(1)
+        assert all(asked == {idle.provisioner.id} for asked in figures.asked)
+        assert len(figures.asked) == 5  # as for any idle session: every half interval
+        assert busy.rounds_begun == busy_store.rounds == 2 + int(3 * FULL / 100)
         group.cancel_scope.cancel()

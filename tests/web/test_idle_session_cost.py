@@ -5,7 +5,7 @@ A daemon reaches PostgreSQL through a proxy that counts the statements it runs, 
 test's clock: a window is a number of sweeps, not of seconds. Over a window in which every idle
 session pings at every tick, the replica runs only its per-replica work: one sweep per tick, at
 most one last-seen batch per `provisioners.session_seen_batch_seconds` (= TICK) whatever the
-number of sessions, one full-round check per `provisioners.demand_full_round_seconds` (FULL,
+number of sessions, one full-round check per half `provisioners.demand_full_round_seconds` (FULL,
 so several fall in the window), and the listener's probe. No round (the full round finds
 nothing for an idle session), no fence, no per-session statement.
 """
@@ -94,13 +94,13 @@ async def test_idle_sessions_cost_only_the_replicas_batched_statements(database_
             async with AsyncExitStack() as stack:
                 sessions = [await _session(stack, db, api) for _ in range(SESSIONS)]
                 await _settled(proxy)
-                before = Counter(proxy.executed)
+                before, began = Counter(proxy.executed), anyio.current_time()
                 for tick in range(WINDOW):
                     for ws in sessions:  # every session pinged at every tick
                         await send(ws, {"type": "ping", "request_id": f"p{tick}"})
                         await until(ws, "pong")
                     await _sweeps(proxy, 1)
-                ran = Counter(proxy.executed)
+                ran, lasted = Counter(proxy.executed), anyio.current_time() - began
                 ran.subtract(before)
         finally:
             await db.close()
@@ -110,9 +110,11 @@ async def test_idle_sessions_cost_only_the_replicas_batched_statements(database_
     full_checks = sum(n for text, n in window.items() if FULL_CHECK in text)
     others = {text: n for text, n in window.items() if not any(f in text for f in PER_REPLICA)}
     assert others == {}  # no round, no fence, nothing per session
-    assert WINDOW <= sweeps <= WINDOW + 1  # one statement per tick for all the sessions
+    # One statement per tick for all the sessions (on a loaded machine the pings of one turn
+    # of the loop can outlast a tick, so the window is counted in ticks too).
+    assert WINDOW <= sweeps <= lasted / TICK + 1
     # All the sessions' pings of a batch interval in one statement (SESSIONS pings per tick).
-    assert 1 <= stamps <= WINDOW + 2
-    # The slow full round: one statement per FULL for all the sessions (a window of WINDOW
-    # sweeps lasts at least WINDOW * TICK seconds, and longer on a busy machine).
-    assert 2 <= full_checks <= WINDOW * TICK / FULL * 3 + 1
+    assert 1 <= stamps <= lasted / TICK + 2
+    # The slow full round: one statement per half FULL for all the sessions (a window of WINDOW
+    # sweeps lasts at least WINDOW * TICK seconds).
+    assert 2 <= full_checks <= 2 * lasted / FULL + 1

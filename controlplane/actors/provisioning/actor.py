@@ -149,9 +149,9 @@ class ProvisionerActor:
         # (reservations it made expiring, instances it created timing out).
         self._deadlines: list[float] = []
         self._walks = WalkMemory(limits.full_walk_seconds)  # installation scope only
-        # Rounds begun so far: the demand sweep skips waking an actor that began one after its
-        # read (that round read everything the sweep saw).
-        self.rounds_begun = 0
+        # Rounds begun so far, the last when: the demand sweep skips waking an actor that began
+        # one after its read (that round read everything the sweep saw), or lately (sweep.py).
+        self.rounds_begun, self.round_began_at = 0, float("-inf")
 
     @property
     def scope(self) -> Scope:
@@ -387,7 +387,7 @@ class ProvisionerActor:
                 if advertisement is None:
                     continue
                 metrics.allocation_triggers.labels(trigger).inc()
-                self.rounds_begun += 1
+                self.rounds_begun, self.round_began_at = self.rounds_begun + 1, started
                 fresh, self._fresh_advertisement = self._fresh_advertisement, False
                 outcome = await self._measured_round(advertisement)
                 self._expect(outcome, advertisement.launch_ttl)

@@ -24,18 +24,19 @@ the sweep catches reaches its actor at most one and a half ticks after it is mad
 
 The slow full round is the replica's too (the safety net under every wake-up above: a lost
 notification, a new pending job past `provisioners.demand_sweep_pending_cap`, an installation
-session's demand, which its figures leave out). Every `provisioners.demand_full_round_seconds`
-the tick that falls due also asks, in ONE more statement for all the sessions that do not say
-so themselves (store/demand_sweep.py `full_round_due`), which sessions a round could find
-anything for; those, and the actors whose own state calls for one (`holds_work`: demand or
-terminate intents in their last push, a warm pool), are woken with the moved ones, spread the
-same way, and run a round (`fallback`). An idle session (no pending job where it serves, no
-live reservation, no active runner of its own, nothing pushed that a round could take back)
-would get nothing from that round and is not woken: it costs no transaction at any interval.
-So a change that nothing notified (an enqueue whose NOTIFY was lost, for one) reaches its
-actor at most `demand_full_round_seconds` plus one and a half ticks after it is made, as the
-actor's own timer did before; what the replica pays is one statement per interval, whatever
-the number of sessions.
+session's demand, which its figures leave out). Every half of
+`provisioners.demand_full_round_seconds` the tick that falls due looks at the sessions that
+began no round in that half (a busy session is never woken for the safety net) and asks, in
+ONE more statement for those that do not say so themselves (store/demand_sweep.py
+`full_round_due`), which a round could find anything for; those, and the actors whose own state
+calls for one (`holds_work`: demand or terminate intents in their last push, a warm pool), are
+woken with the moved ones, spread the same way, and run a round (`fallback`). An idle session
+(no pending job where it serves, no live reservation, no active runner of its own, nothing
+pushed that a round could take back) would get nothing from that round and is not woken: it
+costs no transaction at any interval. So a change that nothing notified (an enqueue whose
+NOTIFY was lost, for one) reaches its actor at most `demand_full_round_seconds` (plus one and
+a half ticks) after the actor's last round began, as the actor's own timer did before; the
+replica pays two statements per interval, whatever the number of sessions.
 
 Nothing is read while the replica holds no session. A failed read is logged and retried at the
 next tick (a failed full-round check, at the next tick too: it stays due).
@@ -111,7 +112,7 @@ class DemandSweep:
     ) -> None:
         task_status.started()
         due = anyio.current_time() + self._tick
-        full_due = anyio.current_time() + self._full_every
+        full_due = anyio.current_time() + self._full_every / 2
         while True:
             await anyio.sleep(max(0.0, due - anyio.current_time()))
             due = max(due + self._tick, anyio.current_time())
@@ -125,7 +126,7 @@ class DemandSweep:
             if anyio.current_time() >= full_due:
                 try:
                     full = await self.full_round()
-                    full_due = anyio.current_time() + self._full_every
+                    full_due = anyio.current_time() + self._full_every / 2
                 except Exception as error:  # still due: tried again at the next tick
                     metrics.demand_sweeps.labels("error").inc()
                     log.warning("provisioning.full_round_failed", extra={"error": repr(error)})
@@ -156,10 +157,12 @@ class DemandSweep:
         return found
 
     async def full_round(self) -> list[tuple[ProvisionerActor, int]]:
-        """The slow full round's check: the actors a round could find anything for (each with
-        the count of rounds it had begun when the read returned), by their own word
-        (`holds_work`) or by one statement for all the others."""
-        actors = self._board.actors()
+        """The slow full round's check: of the actors that began no round in the last half of
+        the interval, those a round could find anything for (each with the count of rounds it
+        had begun when the read returned), by their own word (`holds_work`) or by one statement
+        for all the others."""
+        lately = anyio.current_time() - self._full_every / 2
+        actors = [a for a in self._board.actors() if a.round_began_at <= lately]
         asking = [a for a in actors if not a.holds_work]
         sessions = [SweptSession(a.provisioner.id, a.provisioner.workspace_id) for a in asking]
         due = await self._store.full_round_due(sessions) if sessions else []
