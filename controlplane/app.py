@@ -317,6 +317,7 @@ class Daemon:
                 knobs.demand_sweep_pending_cap,
             ),
             tick_seconds=knobs.demand_safety_tick_seconds,
+            full_round_seconds=knobs.demand_full_round_seconds,
         )
         control = ControlSessions()
         last_seen = LastSeen(control, PoolSeen(pool), every=knobs.session_seen_batch_seconds)

@@ -250,14 +250,15 @@ allocation_triggers = Counter(
     "controlplane_allocation_round_triggers_total",
     "What started a provisioner actor's allocation round: wake (a notification, a request or "
     "the demand sweep), deadline (a reservation, activation or warm launch it knew of fell "
-    "due), fallback (provisioners.demand_full_round_seconds passed without a round).",
+    "due), fallback (the replica's full round, every provisioners.demand_full_round_seconds, "
+    "found something the round could act on).",
     ["trigger"],
     registry=REGISTRY,
 )
 demand_sweeps = Counter(
     "controlplane_demand_sweeps_total",
     "Per-replica demand sweeps (one statement for every control session on the replica), by "
-    "outcome (ok, error).",
+    "outcome (ok, error; full: the full round's check, one more statement).",
     ["outcome"],
     registry=REGISTRY,
 )

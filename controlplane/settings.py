@@ -128,7 +128,9 @@ class Provisioners(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     demand_safety_tick_seconds: Annotated[float, msgspec.Meta(ge=0.05, le=600)] = 2.0
     # Pending jobs the sweep counts per workspace, at most.
     demand_sweep_pending_cap: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1000
-    # A provisioner actor's round at least this often, woken or not (the slow safety net).
+    # The slow safety net: a session with anything a round could act on has one at least this
+    # often (the replica's sweep asks about all its sessions in one statement every half of it;
+    # an idle session: no round, so it costs nothing).
     demand_full_round_seconds: Annotated[float, msgspec.Meta(ge=1, le=3600)] = 600.0
     # An installation walk leaves out covered, unchanged workspaces (issue 16) but visits every
     # one this often all the same.

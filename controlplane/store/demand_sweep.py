@@ -36,8 +36,13 @@ that uses a unit of it removes a pending job of before the read, or one the enqu
 A row committed after the previous read by a transaction that began before it counts as created
 before it, so it moves the figures (a wake too many, not too few).
 
-Locks: none. One read-only statement for all the replica's sessions (a transaction of its
-own, as every statement is); it holds nothing any other transaction waits for.
+The sweep's slow full round asks a second question, every half of
+`provisioners.demand_full_round_seconds` and again in one statement for the replica's quiet
+sessions (`full_round_due`): which sessions a round could find anything for at all, so that the
+safety round runs for those and an idle session's costs nothing.
+
+Locks: none. Each is one read-only statement for all the replica's sessions (a transaction of
+its own, as every statement is); it holds nothing any other transaction waits for.
 """
 
 from __future__ import annotations
@@ -222,3 +227,50 @@ async def sweep_figures(
         for r in rows
     ]
     return Read(rows[0]["read_at"], figures)
+
+
+# The full-round check (actors/provisioning/sweep.py): which sessions a round could find
+# anything for. The pending probe of a workspace session is one entry of
+# pending_jobs_workspace_oldest_idx; an installation session's is one uncorrelated probe of
+# workspace_demand (a row per workspace that may have pending jobs), run once for the statement.
+_FULL_ROUND_DUE = f"""
+WITH s AS (
+    SELECT * FROM unnest($1::uuid[], $2::uuid[])
+           WITH ORDINALITY AS s(provisioner_id, workspace_id, ord)
+), holding AS (
+    SELECT r.provisioner_id FROM reservations r
+     WHERE r.provisioner_id = ANY($1::uuid[]) AND r.expires_at > now()
+    UNION
+    SELECT ri.provisioner_id FROM runner_instances ri
+     WHERE ri.provisioner_id = ANY($1::uuid[]) AND ri.state IN {ACTIVE_SQL}
+)
+SELECT s.ord,
+       s.provisioner_id IN (SELECT provisioner_id FROM holding)
+       OR CASE WHEN s.workspace_id IS NULL THEN
+               (SELECT EXISTS (SELECT 1 FROM workspace_demand d
+                                WHERE EXISTS (SELECT 1 FROM pending_jobs p
+                                               WHERE p.workspace_id = d.workspace_id)))
+          ELSE EXISTS (SELECT 1 FROM pending_jobs p WHERE p.workspace_id = s.workspace_id)
+          END AS due
+  FROM s
+ ORDER BY s.ord
+"""  # noqa: S608 -- interpolates constants only: ACTIVE_SQL
+
+
+async def full_round_due(conn: Conn, sessions: Sequence[SweptSession]) -> list[bool]:
+    """For each session, in the order given, whether a round could find anything to act on: a
+    pending job where it may serve (its workspace; for installation scope, any workspace, its
+    eligibility aside), or a live reservation or an active runner instance of its own. A
+    session with none of those gets nothing from a round: no demand figure, grant, bound
+    runner or terminate intent (only its own active instances are candidates); warm launches
+    (an advertised `idle_target`) are the actor's own to judge. One statement for all of them.
+
+    Locks: none. Read-only, a transaction of its own."""
+    if not sessions:
+        return []
+    rows = await conn.fetch(
+        _FULL_ROUND_DUE,
+        [s.provisioner_id for s in sessions],
+        [s.workspace_id for s in sessions],
+    )
+    return [bool(r["due"]) for r in rows]

@@ -326,7 +326,6 @@ def _limits(svc: Deps) -> Limits:
         activation_grace=timedelta(seconds=knobs.reservation_ttl_seconds),
         activation_timeout=timedelta(seconds=knobs.demand_activation_timeout_seconds),
         covering_window=timedelta(seconds=knobs.active_window_seconds),
-        full_round_seconds=knobs.demand_full_round_seconds,
         reservation_ttl_seconds=knobs.reservation_ttl_seconds,
         reservation_ttl_max_seconds=knobs.reservation_ttl_max_seconds,
         bootstrap_ttl=timedelta(seconds=knobs.bootstrap_token_ttl_seconds),

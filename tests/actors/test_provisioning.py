@@ -202,7 +202,6 @@ LIMITS = Limits(
     activation_grace=timedelta(seconds=60),
     activation_timeout=timedelta(seconds=300),
     covering_window=timedelta(seconds=120),
-    full_round_seconds=TICK,
     reservation_ttl_seconds=60,
     reservation_ttl_max_seconds=3600,
     bootstrap_ttl=timedelta(minutes=10),
@@ -250,28 +249,6 @@ async def test_an_advertisement_runs_a_round_and_pushes_demand_even_with_nothing
         second = await _next(pushes)
         assert (second.seq, second.grants, second.newly_reserved) == (2, [], 0)
         assert store.calls == ["replace_templates", "replace_templates"]
-
-    await _session(store, workspace, body)
-
-
-async def test_an_unchanged_round_pushes_nothing_and_the_full_round_runs_anyway() -> None:
-    workspace = uuid.uuid4()
-    store = FakeStore(workspace)
-    store.queued[workspace] = 1
-
-    async def body(actor: ProvisionerActor, pushes: MemoryObjectReceiveStream[DemandPush]) -> None:
-        await actor.advertise([template()], 10, None)
-        await _next(pushes)
-        started, rounds = anyio.current_time(), store.rounds
-        with anyio.fail_after(TICK * 1.5):
-            await store.round_done.wait()  # nobody woke the actor: the full round ran
-        assert anyio.current_time() - started >= TICK
-        assert store.rounds == rounds + 1
-        await anyio.sleep(1)
-        assert pushes.statistics().current_buffer_used == 0  # same figures, nothing to say
-        store.queued[workspace] = 2  # a job whose notification was lost
-        found = await _next(pushes, within=TICK * 1.5)
-        assert [g.count for g in found.grants] == [1]
 
     await _session(store, workspace, body)
 

@@ -15,9 +15,11 @@ rounds of one provisioner never interleave. A round runs when:
 * a deadline it knows of falls due: a reservation it granted or bound expires (round time plus
   the launch lifetime or the activation grace), an instance it created reaches the activation
   timeout, a grant outstanding at hello expires, a warm launch it pushed stops counting;
-* `provisioners.demand_full_round_seconds` passed without a round (the slow safety net).
+* the replica's slow full round (sweep.py, every `provisioners.demand_full_round_seconds`)
+  finds something a round could act on (`full_round`): the safety net under all of the above.
 
-Between those it sleeps and costs the database nothing.
+Between those it sleeps and costs the database nothing, with no timer of its own for the safety
+net; whether its own state calls for the full round (`holds_work`) it says reading nothing.
 
 An installation provisioner's walk leaves out the workspaces that were covered and have not
 changed since (changes.py): `demand_changed` marks one, `resync` (an advertisement, a
@@ -91,7 +93,6 @@ class Limits:
     activation_grace: timedelta
     activation_timeout: timedelta
     covering_window: timedelta
-    full_round_seconds: float  # the slow safety net: a round at least this often
     reservation_ttl_seconds: int  # a launch grant's lifetime when the advertisement names none
     reservation_ttl_max_seconds: int
     bootstrap_ttl: timedelta
@@ -137,6 +138,7 @@ class ProvisionerActor:
         self._fresh_advertisement = False
         self._wake = anyio.Event()  # set by a wake-up, or by a new deadline (to re-plan)
         self._woken = False  # a wake-up since the last round started
+        self._full = False  # the wake-up was the replica's full round (sweep.py)
         self._seq = 0
         self._last_stats: list[WorkspaceDemand] | None = None
         self._last_terminate: list[str] = []
@@ -147,9 +149,9 @@ class ProvisionerActor:
         # (reservations it made expiring, instances it created timing out).
         self._deadlines: list[float] = []
         self._walks = WalkMemory(limits.full_walk_seconds)  # installation scope only
-        # Rounds begun so far: the demand sweep skips waking an actor that began one after its
-        # read (that round read everything the sweep saw).
-        self.rounds_begun = 0
+        # Rounds begun so far, the last when: the demand sweep skips waking an actor that began
+        # one after its read (that round read everything the sweep saw), or lately (sweep.py).
+        self.rounds_begun, self.round_began_at = 0, float("-inf")
 
     @property
     def scope(self) -> Scope:
@@ -161,6 +163,20 @@ class ProvisionerActor:
     def wake(self) -> None:
         self._woken = True
         self._wake.set()
+
+    def full_round(self) -> None:
+        """The replica's slow full round found something this session's round could act on."""
+        self._full = True
+        self.wake()
+
+    @property
+    def holds_work(self) -> bool:
+        """Whether its own state calls for the full round, the database aside: its last push
+        told of demand or terminate intents, or it keeps a warm pool (idle targets, warm launches
+        out). Never before an advertisement: a round then does nothing."""
+        ad, warm = self._advertisement, any(self._warm_pending.values())
+        held = bool(self._last_stats or self._last_terminate or warm)
+        return ad is not None and (held or any(t.idle_target for t in ad.templates))
 
     def demand_changed(self, workspace_id: UUID) -> None:
         """A workspace's demand may have grown: walk it next round (and wake)."""
@@ -344,17 +360,16 @@ class ProvisionerActor:
         return min(self._deadlines + warm, default=None)
 
     async def _sleep(self) -> str:
-        """Until woken, a deadline or the full-round interval; what ended the sleep."""
-        fallback = anyio.current_time() + self.limits.full_round_seconds
+        """Until woken or a deadline; what ended the sleep (`fallback`: woken by the full round)."""
         while True:
             due = self.next_deadline()
-            until = fallback if due is None else min(due, fallback)
-            with anyio.move_on_after(max(0.0, until - anyio.current_time())):
+            wait = None if due is None else max(0.0, due - anyio.current_time())
+            with anyio.move_on_after(wait):
                 await self._wake.wait()
             if self._woken:
-                return "wake"
+                return "fallback" if self._full else "wake"
             if not self._wake.is_set():
-                return "deadline" if due is not None and due < fallback else "fallback"
+                return "deadline"
             self._wake = anyio.Event()  # a deadline was added: plan again
 
     async def run(self) -> None:
@@ -362,7 +377,7 @@ class ProvisionerActor:
         with metrics.control_sessions.track_inprogress():
             while True:
                 trigger = await self._sleep()
-                self._wake, self._woken = anyio.Event(), False
+                self._wake, self._woken, self._full = anyio.Event(), False, False
                 started = anyio.current_time()
                 # Deadlines passed by now are seen by the round that starts now.
                 self._deadlines = [d for d in self._deadlines if d > started]
@@ -372,7 +387,7 @@ class ProvisionerActor:
                 if advertisement is None:
                     continue
                 metrics.allocation_triggers.labels(trigger).inc()
-                self.rounds_begun += 1
+                self.rounds_begun, self.round_began_at = self.rounds_begun + 1, started
                 fresh, self._fresh_advertisement = self._fresh_advertisement, False
                 outcome = await self._measured_round(advertisement)
                 self._expect(outcome, advertisement.launch_ttl)

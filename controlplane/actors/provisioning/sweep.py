@@ -22,14 +22,30 @@ ageing out) wakes them one after another, spread evenly over the first half of t
 that round read everything the sweep saw (a busy actor is woken by its enqueues). So a change
 the sweep catches reaches its actor at most one and a half ticks after it is made.
 
+The slow full round is the replica's too (the safety net under every wake-up above: a lost
+notification, a new pending job past `provisioners.demand_sweep_pending_cap`, an installation
+session's demand, which its figures leave out). Every half of
+`provisioners.demand_full_round_seconds` the tick that falls due looks at the sessions that
+began no round in that half (a busy session is never woken for the safety net) and asks, in
+ONE more statement for those that do not say so themselves (store/demand_sweep.py
+`full_round_due`), which a round could find anything for; those, and the actors whose own state
+calls for one (`holds_work`: demand or terminate intents in their last push, a warm pool), are
+woken with the moved ones, spread the same way, and run a round (`fallback`). An idle session
+(no pending job where it serves, no live reservation, no active runner of its own, nothing
+pushed that a round could take back) would get nothing from that round and is not woken: it
+costs no transaction at any interval. So a change that nothing notified (an enqueue whose
+NOTIFY was lost, for one) reaches its actor at most `demand_full_round_seconds` (plus one and
+a half ticks) after the actor's last round began, as the actor's own timer did before; the
+replica pays two statements per interval, whatever the number of sessions.
+
 Nothing is read while the replica holds no session. A failed read is logged and retried at the
-next tick: the actors' slow full round (`provisioners.demand_full_round_seconds`) still runs.
+next tick (a failed full-round check, at the next tick too: it stays due).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
@@ -56,6 +72,11 @@ class SweepStore(Protocol):
         previous read's time (store/demand_sweep.py)."""
         ...
 
+    async def full_round_due(self, sessions: Sequence[SweptSession]) -> list[bool]:
+        """For each session, in the order given, whether a round could find anything to act
+        on (one statement)."""
+        ...
+
 
 def has_moved(now: Figures, before: Figures | None) -> bool:
     """Whether a session's figures moved since the previous tick's (`before`; None: not there
@@ -71,10 +92,18 @@ def has_moved(now: Figures, before: Figures | None) -> bool:
 
 
 class DemandSweep:
-    def __init__(self, board: DemandBoard, store: SweepStore, *, tick_seconds: float) -> None:
+    def __init__(
+        self,
+        board: DemandBoard,
+        store: SweepStore,
+        *,
+        tick_seconds: float,
+        full_round_seconds: float = 600.0,
+    ) -> None:
         self._board = board
         self._store = store
         self._tick = tick_seconds
+        self._full_every = full_round_seconds
         self._seen: dict[ProvisionerActor, Figures] = {}
         self._since: datetime | None = None  # the previous read's database time
 
@@ -83,16 +112,29 @@ class DemandSweep:
     ) -> None:
         task_status.started()
         due = anyio.current_time() + self._tick
+        full_due = anyio.current_time() + self._full_every / 2
         while True:
             await anyio.sleep(max(0.0, due - anyio.current_time()))
             due = max(due + self._tick, anyio.current_time())
+            found: list[tuple[ProvisionerActor, int]] = []
+            full: list[tuple[ProvisionerActor, int]] = []
             try:
                 found = await self.sweep()
             except Exception as error:
                 metrics.demand_sweeps.labels("error").inc()
                 log.warning("provisioning.sweep_failed", extra={"error": repr(error)})
-                continue
-            await self.wake(found, over=self._tick * SPREAD)
+            if anyio.current_time() >= full_due:
+                try:
+                    full = await self.full_round()
+                    full_due = anyio.current_time() + self._full_every / 2
+                except Exception as error:  # still due: tried again at the next tick
+                    metrics.demand_sweeps.labels("error").inc()
+                    log.warning("provisioning.full_round_failed", extra={"error": repr(error)})
+            moved = {actor for actor, _ in found}
+            full = [(actor, begun) for actor, begun in full if actor not in moved]
+            await self.wake(
+                found + full, over=self._tick * SPREAD, full={actor for actor, _ in full}
+            )
 
     async def sweep(self) -> list[tuple[ProvisionerActor, int]]:
         """One tick's read: every session's figures; the actors whose figures moved, each with
@@ -114,14 +156,39 @@ class DemandSweep:
         metrics.demand_sweeps.labels("ok").inc()
         return found
 
-    async def wake(self, found: Sequence[tuple[ProvisionerActor, int]], *, over: float) -> int:
+    async def full_round(self) -> list[tuple[ProvisionerActor, int]]:
+        """The slow full round's check: of the actors that began no round in the last half of
+        the interval, those a round could find anything for (each with the count of rounds it
+        had begun when the read returned), by their own word (`holds_work`) or by one statement
+        for all the others."""
+        lately = anyio.current_time() - self._full_every / 2
+        actors = [a for a in self._board.actors() if a.round_began_at <= lately]
+        asking = [a for a in actors if not a.holds_work]
+        sessions = [SweptSession(a.provisioner.id, a.provisioner.workspace_id) for a in asking]
+        due = await self._store.full_round_due(sessions) if sessions else []
+        if sessions:
+            metrics.demand_sweeps.labels("full").inc()
+        found = {a for a, d in zip(asking, due, strict=True) if d}
+        return [(a, a.rounds_begun) for a in actors if a.holds_work or a in found]
+
+    async def wake(
+        self,
+        found: Sequence[tuple[ProvisionerActor, int]],
+        *,
+        over: float,
+        full: Collection[ProvisionerActor] = (),
+    ) -> int:
         """Wake the actors found, evenly over `over` seconds (the first at once), except those
-        that began a round since the read; how many were woken."""
+        that began a round since the read; those in `full` for the full round. How many were
+        woken."""
         started, woken = anyio.current_time(), 0
         for index, (actor, begun) in enumerate(found):
             await anyio.sleep(max(0.0, started + over * index / len(found) - anyio.current_time()))
             if actor.rounds_begun == begun:
-                actor.wake()
+                if actor in full:
+                    actor.full_round()
+                else:
+                    actor.wake()
                 woken += 1
         metrics.demand_sweep_woken.inc(woken)
         return woken
@@ -148,3 +215,7 @@ class PoolSweep:
                 covering_window=self.covering_window,
                 pending_cap=self.pending_cap,
             )
+
+    async def full_round_due(self, sessions: Sequence[demand_sweep.SweptSession]) -> list[bool]:
+        async with borrow(self.pool) as conn:
+            return await demand_sweep.full_round_due(conn, sessions)
