@@ -105,10 +105,10 @@ class SafetyTick:
 
     async def tick(self) -> int:
         """One read for every parked actor; wake those with claimable work. How many woken."""
-        actors = [actor for actor in self._actors() if actor.label_sets()]
-        if not actors:
-            return 0
+        actors = self._actors()
         pairs = [(actor, labels) for actor in actors for labels in actor.label_sets() if labels]
+        if not pairs:
+            return 0  # nobody parked (or only runners with no labels, who can take nothing)
         try:
             found = await self._store.claimable(
                 [(actor.workspace_id, labels) for actor, labels in pairs]
