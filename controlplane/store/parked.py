@@ -63,7 +63,8 @@ FROM pair CROSS JOIN LATERAL (
 ) AS found
 """  # noqa: S608 -- interpolates store/ordering.py's constant filter only
 
-# The most pairs one statement probes; more are read in several statements, one after another.
+# The most pairs one statement probes (or sessions one statement stamps); more take several
+# statements, one after another.
 MAX_PAIRS = 1000
 
 
@@ -87,13 +88,19 @@ async def claimable(conn: Conn, pairs: Sequence[tuple[UUID, LabelSet]]) -> list[
 async def touch_sessions(
     conn: Conn, sessions: Sequence[tuple[UUID, UUID]], throttle: timedelta
 ) -> None:
-    """Liveness of many parked runners, (workspace, session) each, in one statement: each
-    session's `updated_at`, at most once per throttle window (autocommit); a session not of the
-    workspace given is left alone. Locks: the due session rows in id order, skipping any a claim
-    or a revocation holds (liveness is best effort; the next window stamps it), so it never waits
-    and never meets another multi-row locker in a different order."""
-    if not sessions:
-        return
+    """Liveness of many parked runners, (workspace, session) each: each session's
+    `updated_at`, at most once per throttle window; a session not of the workspace given is left
+    alone. One autocommitted statement per `MAX_PAIRS` sessions, in id order, so no statement
+    holds more than that many row locks (a claim stamping its own session, or a capped claim
+    locking it, waits for at most one such statement). Locks: the due session rows in id order,
+    skipping any a claim or a revocation holds (liveness is best effort; the next window stamps
+    it), so it never waits and never meets another multi-row locker in a different order."""
+    ordered = sorted(sessions, key=lambda pair: pair[1])
+    for start in range(0, len(ordered), MAX_PAIRS):
+        await _touch(conn, ordered[start : start + MAX_PAIRS], throttle)
+
+
+async def _touch(conn: Conn, sessions: Sequence[tuple[UUID, UUID]], throttle: timedelta) -> None:
     await conn.execute(
         """
         UPDATE runner_sessions SET updated_at = now()

@@ -7,6 +7,7 @@ whose notification was lost still reaches its parked runner."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
 from uuid import UUID
 
@@ -204,3 +205,27 @@ async def test_a_job_whose_notification_was_lost_is_dispatched_by_the_tick(
         group.cancel_scope.cancel()
     assert waiting.job is not None
     assert waiting.job.identity.job_execution_id == job.identity.job_execution_id
+
+
+async def test_many_sessions_are_stamped_in_several_statements(
+    conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No statement holds more than MAX_PAIRS session rows locked; none is left out."""
+    monkeypatch.setattr(parked, "MAX_PAIRS", 2)
+    statements: list[int] = []
+    touch = parked._touch
+
+    async def counted(
+        conn: Conn, sessions: Sequence[tuple[UUID, UUID]], throttle: timedelta
+    ) -> None:
+        statements.append(len(sessions))
+        await touch(conn, sessions, throttle)
+
+    monkeypatch.setattr(parked, "_touch", counted)
+    workspace = uuid.uuid4()
+    due = [await manual_session(conn, workspace) for _ in range(5)]
+    for session in due:
+        await _age(conn, session.runner_session_id, 60)
+    await parked.touch_sessions(conn, [(workspace, s.runner_session_id) for s in due], THROTTLE)
+    assert statements == [2, 2, 1]
+    assert all([await _stamped(conn, s.runner_session_id) for s in due])
