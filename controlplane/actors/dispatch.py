@@ -26,8 +26,8 @@ reaches N waiters with about N/100 statements, a runner re-polling an idle works
 without touching the database, and an idle workspace costs no statement of its own: its share of
 the replica's one tick read.
 
-Liveness. Parked runners' sessions are stamped by the replica's tick, one statement for all of
-them every `touch_seconds` (actors/ticks.py), none per runner or per workspace.
+Liveness. Parked runners' sessions are stamped by the replica's tick, all of them every
+`touch_seconds` in one statement per 1,000 (actors/ticks.py), none per runner or per workspace.
 
 Delivery and put-back: actors/waiters.py. A waiter that stops waiting (answered, failed, or
 abandoned by its request handler when its deadline passed or its client went away) leaves its

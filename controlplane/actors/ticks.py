@@ -24,9 +24,9 @@ What still holds:
 * The read takes no lock (store/parked.py) and never delays a wake-up: actors are woken by their
   notifications while a read runs, whatever it costs.
 
-Liveness. Parked runners' sessions are stamped every `touch_seconds` in one statement for the
-whole replica (store/parked.py `touch_sessions`), no longer one per workspace; a failure is
-logged and the next interval retries (liveness is best effort).
+Liveness. Parked runners' sessions are stamped every `touch_seconds` for the whole replica at
+once (store/parked.py `touch_sessions`: one statement per 1,000 sessions), no longer one
+statement per workspace; a failure is logged and the next interval retries (best effort).
 
 Nothing is read while no runner is parked on the replica.
 """
