@@ -3,7 +3,7 @@
 Workspace actors (actors/dispatch.py) claim when a NOTIFY, a new waiter or a listener reconnect
 wakes them; a notification lost while the listener was down is caught by the safety tick. It was
 one empty claim per actor and label set every tick (4,000 runners parked in 400 workspaces: about
-90 claims a second on each replica, bursting together, and a real enqueue's claim waited behind
+100 claims a second on each replica, bursting together, and a real enqueue's claim waited behind
 them). Now every `tick_seconds` the replica makes ONE read (store/parked.py `claimable`): of the
 (workspace, label set) pairs of its actors with parked runners, which have a pending row a claim
 for those labels could take. Only those actors are woken, each with the label set as its hint
