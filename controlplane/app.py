@@ -18,7 +18,7 @@ import contextlib
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from uuid import UUID
@@ -48,6 +48,7 @@ from controlplane.settings import Settings
 from controlplane.store import (
     claiming,
     migrations,
+    parked,
     queue,
     reservations,
 )
@@ -71,7 +72,8 @@ log = logging.getLogger("controlplane.app")
 
 
 class PoolClaims:
-    """The dispatcher's view of the store: claim and put back, each on a pooled connection.
+    """The dispatcher's view of the store: claim and put back, the replica's tick read and
+    liveness stamp (store/parked.py), each on a pooled connection.
     `orderings`: the replica's belief of each workspace's ordering, shared with the HTTP claim
     (store/ordering.py `KnownOrderings`)."""
 
@@ -96,9 +98,13 @@ class PoolClaims:
                 conn, workspace_id, labels, runner_session_ids, self._orderings
             )
 
-    async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None:
+    async def claimable(self, pairs: Sequence[tuple[UUID, LabelSet]]) -> list[bool]:
         async with borrow(self._pool) as conn:
-            await claiming.touch_sessions(conn, workspace_id, runner_session_ids, self._throttle)
+            return await parked.claimable(conn, pairs)
+
+    async def touch(self, sessions: Sequence[tuple[UUID, UUID]]) -> None:
+        async with borrow(self._pool) as conn:
+            await parked.touch_sessions(conn, sessions, self._throttle)
 
     async def put_back(self, job_execution_id: UUID, runner_session_id: UUID) -> bool:
         async with borrow(self._pool) as conn:

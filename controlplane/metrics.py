@@ -255,6 +255,19 @@ allocation_triggers = Counter(
     ["trigger"],
     registry=REGISTRY,
 )
+dispatch_ticks = Counter(
+    "controlplane_dispatch_ticks_total",
+    "Per-replica dispatch safety ticks (one read for every workspace actor with parked runners), "
+    "by outcome (ok, error).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+dispatch_tick_woken = Counter(
+    "controlplane_dispatch_tick_woken_total",
+    "Workspace actors the dispatch safety tick woke because a claim could take work there (a "
+    "lost notification, or work a claim stepped over); after a failed read, every actor.",
+    registry=REGISTRY,
+)
 demand_sweeps = Counter(
     "controlplane_demand_sweeps_total",
     "Per-replica demand sweeps (one statement for every control session on the replica), by "

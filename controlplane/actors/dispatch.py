@@ -8,11 +8,10 @@ Wake-ups, each coalesced into the actor's pending *hint* (the label sets of new 
 * a NOTIFY on `cp_enqueued` from any replica (payload: workspace and the job's labels), delivered by
   the listener after the enqueue committed, or after a keyed lease ended (its key's waiting jobs);
 * a new waiter (it is tried at once, alone);
-* a safety tick while waiters are parked, for notifications lost while the listener reconnected;
-  after a reconnect the listener also wakes every actor. Ticks are paced per replica
-  (actors/ticks.py): each wait lasts a random 0.8 to 1 of the tick, and at most `tick_passes`
-  tick passes run at once, so actors that started together do not claim together for ever; a
-  real wake-up never waits for a tick's turn.
+* the replica's safety tick (actors/ticks.py), for notifications lost while the listener
+  reconnected: one read per replica finds which actors' label sets have claimable work and
+  wakes only those, with that label set as the hint; an actor with nothing to take is not
+  woken. After a reconnect the listener also wakes every actor.
 
 A pass walks the waiters in arrival order and claims for them. A run of consecutive uncapped
 waiters with the same labels is served by one batch claim (one statement pairs the k-th job in
@@ -21,14 +20,14 @@ round trip instead of k); capped waiters (one-job runners) are claimed for one a
 whose labels cannot match the hint is not tried; once a claim for label set L finds nothing, no
 waiter whose labels are a subset of L is tried again (it could only find less) until a wake-up
 says that work a subset of L could take may have arrived: a NOTIFY carrying labels R forgets
-every empty L with R a subset of L, a wake without labels and the safety tick forget them all.
-So a burst of N jobs reaches N waiters with about N/100 statements, a runner re-polling an idle
-workspace parks without touching the database, and an idle workspace costs only its tick (one
-claim per distinct label set).
+every empty L with R a subset of L (the safety tick wakes with the waiters' own set L, which
+forgets L and every wider set), a wake without labels forgets them all. So a burst of N jobs
+reaches N waiters with about N/100 statements, a runner re-polling an idle workspace parks
+without touching the database, and an idle workspace costs no statement of its own: its share of
+the replica's one tick read.
 
-Liveness. Parked runners' sessions are stamped together, one statement per workspace per
-`touch_seconds` (`ClaimStore.touch`), not one per runner: with 10,000 runners parked, the database
-sees a handful of statements per tick, none per runner.
+Liveness. Parked runners' sessions are stamped by the replica's tick, all of them every
+`touch_seconds` in one statement per 1,000 (actors/ticks.py), none per runner or per workspace.
 
 Delivery and put-back: actors/waiters.py. A waiter that stops waiting (answered, failed, or
 abandoned by its request handler when its deadline passed or its client went away) leaves its
@@ -68,7 +67,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from controlplane.actors.paused import PausedSessions
-from controlplane.actors.ticks import TickTurns, next_tick
+from controlplane.actors.ticks import SafetyTick, TickStore
 from controlplane.actors.waiters import PutBackStore, Waiter, WaiterState, observe_claim, put_back
 from controlplane.domain.jobs import ClaimedJob, SessionClaims
 from controlplane.domain.labels import LabelSet
@@ -88,7 +87,9 @@ class ClaimStore(PutBackStore, Protocol):
         self, workspace_id: UUID, labels: LabelSet, runner_session_ids: list[UUID]
     ) -> dict[UUID, ClaimedJob]: ...
 
-    async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None: ...
+
+class DispatchStore(ClaimStore, TickStore, Protocol):
+    """The actors' claims and the replica's tick reads."""
 
 
 def _covered(labels: LabelSet, exhausted: Iterable[LabelSet]) -> bool:
@@ -108,17 +109,9 @@ class WorkspaceActor:
         self,
         workspace_id: UUID,
         store: ClaimStore,
-        tick_seconds: float,
-        touch_seconds: float = 10.0,
-        turns: TickTurns | None = None,
     ) -> None:
         self.workspace_id = workspace_id
         self._store = store
-        self._tick = tick_seconds
-        self._turns = turns  # None: tick passes unlimited
-        self._has_turn = False
-        self._touch_every = touch_seconds
-        self._touched_at = -touch_seconds
         # Exactly the waiters still waiting, in arrival order (dicts as ordered sets): a waiter
         # leaves them in the step it stops waiting (`_left`), so `parked` is exact and an actor
         # whose runners all went away knows it at once.
@@ -134,6 +127,14 @@ class WorkspaceActor:
     def parked(self) -> int:
         return len(self._waiters) + len(self._new)
 
+    def label_sets(self) -> list[LabelSet]:
+        """The distinct label sets of the waiters (for the replica's tick)."""
+        return list({w.session.labels: None for w in [*self._waiters, *self._new]})
+
+    def sessions(self) -> list[UUID]:
+        """The parked runners' sessions whose liveness the replica's tick stamps."""
+        return [w.session.runner_session_id for w in self._waiters]
+
     def park(self, waiter: Waiter) -> None:
         waiter.on_leave = self._left
         self._new[waiter] = None
@@ -144,7 +145,7 @@ class WorkspaceActor:
         self._new.pop(waiter, None)
         if not self._waiters and not self._new:
             self._idle_since = anyio.current_time()
-            self._wake.set()  # from the safety tick's timer to the idle one
+            self._wake.set()  # from waiting for a wake-up to the idle timer
 
     def wake(self, labels: LabelSet | None) -> None:
         if labels is None or self._hint is None:
@@ -177,14 +178,8 @@ class WorkspaceActor:
         """Serve until nobody has waited for `idle_seconds`, then return (the caller retires us
         in the same step: see "Retirement" above)."""
         while True:
-            turn = False
             if self._waiters or self._new:
-                with anyio.move_on_after(next_tick(self._tick)) as tick:
-                    await self._wake.wait()
-                if tick.cancelled_caught:  # the safety tick: anything may have changed
-                    self._hint = _ALL
-                    self._empty = []
-                    turn = await self._tick_turn()
+                await self._wake.wait()  # the replica's safety tick wakes us too (actors/ticks.py)
             else:
                 retire_at = self._idle_since + idle_seconds
                 with anyio.move_on_after(retire_at - anyio.current_time()):
@@ -192,52 +187,7 @@ class WorkspaceActor:
                 if not self._waiters and not self._new and anyio.current_time() >= retire_at:
                     return
             self._wake = anyio.Event()
-            try:
-                await self._pass()
-                await self._touch()
-            finally:
-                if turn and self._turns is not None:
-                    self._has_turn = False
-                    self._turns.release()
-
-    def granted(self) -> None:
-        """The tick turn this actor queued for is its own (`TickTurns`)."""
-        self._has_turn = True
-        self._wake.set()
-
-    async def _tick_turn(self) -> bool:
-        """Wait for a turn to run this tick's pass; True when holding one (release it after the
-        pass). False when turns are unlimited, or when a real wake-up came first: the pass then
-        runs at once, without a turn, and this actor leaves the queue."""
-        if self._turns is None:
-            return False
-        if self._turns.take(self):
-            return True
-        try:
-            await self._wake.wait()  # set by `granted` or by a wake-up, whichever comes first
-        except BaseException:
-            if self._has_turn:
-                self._has_turn = False
-                self._turns.release()
-            else:
-                self._turns.leave(self)
-            raise
-        if self._has_turn:
-            return True
-        self._turns.leave(self)
-        return False
-
-    async def _touch(self) -> None:
-        """Stamp the liveness of every parked runner's session, at most once per interval."""
-        now = anyio.current_time()
-        if not self._waiters or now - self._touched_at < self._touch_every:
-            return
-        self._touched_at = now
-        ids = [w.session.runner_session_id for w in self._waiters]
-        try:
-            await self._store.touch(self.workspace_id, ids)
-        except Exception as error:  # liveness is best effort; the next interval retries
-            log.warning("dispatch.touch_failed", extra={"error": repr(error)})
+            await self._pass()
 
     async def _pass(self) -> None:
         newcomers = list(self._new)
@@ -378,25 +328,27 @@ class Dispatcher:
 
     def __init__(
         self,
-        store: ClaimStore,
+        store: DispatchStore,
         *,
         tick_seconds: float,
         touch_seconds: float = 10.0,
         max_waiters_per_workspace: int = 20_000,
         idle_seconds: float = 5.0,
-        tick_passes: int = 4,
         on_retire: Callable[[UUID], None] | None = None,
     ) -> None:
-        """`tick_passes` bounds the safety-tick passes running at once (actors/ticks.py).
-        `on_retire` is called with the workspace in the very step its actor is forgotten
-        (tests use it to make a wake-up or a waiter arrive in that step)."""
+        """`tick_seconds` and `touch_seconds` pace the replica's safety tick and liveness
+        stamps (actors/ticks.py). `on_retire` is called with the workspace in the very step its
+        actor is forgotten (tests use it to make a wake-up or a waiter arrive in that step)."""
         self._store = store
-        self._tick = tick_seconds
-        self._touch = touch_seconds
         self._max_waiters = max_waiters_per_workspace
         self._idle = idle_seconds
         self._on_retire = on_retire
-        self._turns = TickTurns(tick_passes)
+        self.tick = SafetyTick(
+            store,
+            lambda: list(self._actors.values()),
+            tick_seconds=tick_seconds,
+            touch_seconds=touch_seconds,
+        )
         self._actors: dict[UUID, WorkspaceActor] = {}
         self._group: TaskGroup | None = None
         self._closed = False
@@ -415,6 +367,7 @@ class Dispatcher:
     ) -> None:
         async with anyio.create_task_group() as group:
             self._group = group
+            group.start_soon(self.tick.run)
             task_status.started()
             await anyio.sleep_forever()
 
@@ -427,9 +380,7 @@ class Dispatcher:
             return
         actor = self._actors.get(waiter.session.workspace_id)
         if actor is None:
-            actor = WorkspaceActor(
-                waiter.session.workspace_id, self._store, self._tick, self._touch, self._turns
-            )
+            actor = WorkspaceActor(waiter.session.workspace_id, self._store)
             self._actors[actor.workspace_id] = actor
             self._group.start_soon(self._supervise, actor)
         if actor.parked >= self._max_waiters:

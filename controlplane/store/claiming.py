@@ -1,6 +1,7 @@
 """Claims: a runner session takes the first claimable pending execution (`claim`), the
-dispatcher hands one to each of many parked sessions at once (`claim_batch`), and a parked
-runner's poll stamps its session's liveness (`touch_session`, `touch_sessions`).
+dispatcher hands one to each of many parked sessions at once (`claim_batch`), and a runner's
+poll stamps its session's liveness (`touch_session`; parked ones are stamped together by
+store/parked.py).
 
 The lock order is the queue's (store/queue.py): a claim takes the pending row FOR UPDATE SKIP
 LOCKED before the execution lock, but only *tries* that lock and never waits for it, so it
@@ -69,27 +70,6 @@ async def touch_session(conn: Conn, session: SessionClaims, throttle: timedelta)
         """,
         session.runner_session_id,
         session.workspace_id,
-        throttle,
-    )
-
-
-async def touch_sessions(
-    conn: Conn, workspace_id: UUID, runner_session_ids: Sequence[UUID], throttle: timedelta
-) -> None:
-    """Liveness of many parked runners in one statement: each session's `updated_at`, at most
-    once per throttle window (autocommit). Locks: the due session rows in id order, skipping any
-    a claim or a revocation holds (liveness is best effort; the next window stamps it), so it
-    never waits and never meets another multi-row locker in a different order."""
-    await conn.execute(
-        """
-        UPDATE runner_sessions SET updated_at = now()
-        WHERE id IN (SELECT id FROM runner_sessions
-                     WHERE id = ANY($1::uuid[]) AND workspace_id = $2
-                       AND updated_at < now() - $3::interval
-                     ORDER BY id FOR UPDATE SKIP LOCKED)
-        """,
-        list(runner_session_ids),
-        workspace_id,
         throttle,
     )
 

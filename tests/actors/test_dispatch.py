@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -28,7 +29,8 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
 
 
 class FakeStore:
-    """Jobs by required labels, FIFO; records every call."""
+    """Jobs by required labels, FIFO, each in its workspace (WORKSPACE unless told); records
+    every call. The tick's read (`claimable`) answers from the same jobs."""
 
     def __init__(self) -> None:
         self.jobs: deque[tuple[LabelSet, ClaimedJob]] = deque()
@@ -40,10 +42,13 @@ class FakeStore:
         self.batches: list[int] = []  # sessions per batch claim
         self.before_empty_answer: Any = None  # awaited by a claim that is about to find nothing
         self.failure: Exception | None = None  # raised by every claim while set
+        self.reads: list[list[tuple[UUID, LabelSet]]] = []  # the tick's reads, pairs each
+        self.read_delay = 0.0
+        self.read_failure: Exception | None = None  # raised by every tick read while set
 
-    def add(self, labels: LabelSet) -> ClaimedJob:
+    def add(self, labels: LabelSet, workspace: UUID = WORKSPACE) -> ClaimedJob:
         job = ClaimedJob(
-            identity=JobIdentity(WORKSPACE, *(uuid.uuid4() for _ in range(5))),
+            identity=JobIdentity(workspace, *(uuid.uuid4() for _ in range(5))),
             required_labels=labels,
             payload={},
             queued_at=datetime.now(UTC),
@@ -59,7 +64,7 @@ class FakeStore:
         if self.failure is not None:
             raise self.failure
         for index, (labels, job) in enumerate(self.jobs):
-            if set(labels) <= set(session.labels):
+            if _takes(session.workspace_id, session.labels, labels, job):
                 del self.jobs[index]
                 return job
         if self.before_empty_answer is not None:  # what happens after its snapshot was taken
@@ -71,7 +76,6 @@ class FakeStore:
         self, workspace_id: UUID, labels: LabelSet, runner_session_ids: list[UUID]
     ) -> dict[UUID, ClaimedJob]:
         """One statement: the k-th oldest compatible job to the k-th session."""
-        assert workspace_id == WORKSPACE
         assert len(set(runner_session_ids)) == len(runner_session_ids), "a session twice"
         self.claims.append(labels)
         self.batches.append(len(runner_session_ids))
@@ -82,15 +86,25 @@ class FakeStore:
         claimed: dict[UUID, ClaimedJob] = {}
         for session_id in runner_session_ids:
             for index, (required, job) in enumerate(self.jobs):
-                if set(required) <= set(labels):
+                if _takes(workspace_id, labels, required, job):
                     del self.jobs[index]
                     claimed[session_id] = job
                     break
         return claimed
 
-    async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None:
-        assert workspace_id == WORKSPACE
-        self.touches.append(list(runner_session_ids))
+    async def claimable(self, pairs: Sequence[tuple[UUID, LabelSet]]) -> list[bool]:
+        self.reads.append(list(pairs))
+        await anyio.sleep(self.read_delay or 0.001)
+        if self.read_failure is not None:
+            raise self.read_failure
+        return [
+            any(_takes(workspace, labels, required, job) for required, job in self.jobs)
+            for workspace, labels in pairs
+        ]
+
+    async def touch(self, sessions: Sequence[tuple[UUID, UUID]]) -> None:
+        """One statement for every parked session of the replica: recorded as one batch."""
+        self.touches.append([session for _, session in sessions])
 
     async def put_back(self, job_execution_id: UUID, runner_session_id: UUID) -> bool:
         if self.put_back_failures:
@@ -98,6 +112,10 @@ class FakeStore:
             raise Unavailable("database blip")
         self.put_backs.append(job_execution_id)
         return True
+
+
+def _takes(workspace: UUID, labels: LabelSet, required: LabelSet, job: ClaimedJob) -> bool:
+    return job.identity.workspace_id == workspace and set(required) <= set(labels)
 
 
 def waiter(*labels: str) -> Waiter:

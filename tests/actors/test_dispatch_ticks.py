@@ -1,6 +1,7 @@
-"""The safety tick's pacing (actors/ticks.py): at most `tick_passes` tick passes at once on a
-replica, a real wake-up never waits for a turn, and ticks are spread within the tick; with the
-fake store of test_dispatch.py on trio's mock clock."""
+"""The replica's dispatch safety tick (actors/ticks.py): one read for every parked actor, only
+the actors with claimable work woken, each for the label sets that have it; a wake-up never
+waits for the read; a failed read falls back to every actor claiming; one liveness stamp for the
+whole replica. With the fake store of test_dispatch.py on trio's mock clock."""
 
 from __future__ import annotations
 
@@ -9,174 +10,160 @@ from collections.abc import Awaitable, Callable
 from uuid import UUID
 
 import anyio
-import pytest
 
-from controlplane.actors import dispatch
 from controlplane.actors.dispatch import Dispatcher
-from controlplane.actors.ticks import SPREAD, TickTurns, next_tick
 from controlplane.actors.waiters import Waiter
-from controlplane.domain.jobs import ClaimedJob, SessionClaims
+from controlplane.domain.jobs import SessionClaims
+from controlplane.errors import DatabaseUnavailable
 from tests.actors.test_dispatch import FakeStore, anyio_backend
 
 __all__ = ["anyio_backend"]  # the mock-clock backend fixture, used by every test here
 
 TICK = 5.0
+TOUCH = 10.0
 
 
-class SlowStore(FakeStore):
-    """Claims of any workspace (one waiter each: `claim`), each taking `delay[workspace]`
-    seconds, and failing then for a workspace in `failing`; records the claims in flight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.delay: dict[UUID, float] = {}
-        self.in_flight: set[UUID] = set()
-        self.most_in_flight = 0
-        self.claimed_in: list[UUID] = []
-        self.failing: set[UUID] = set()
-
-    async def claim(self, session: SessionClaims) -> ClaimedJob | None:
-        self.in_flight.add(session.workspace_id)
-        self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
-        self.claimed_in.append(session.workspace_id)
-        try:
-            await anyio.sleep(self.delay.get(session.workspace_id, 0.0))
-            if session.workspace_id in self.failing:
-                raise RuntimeError("the database went away mid claim")
-            return await super().claim(session)
-        finally:
-            self.in_flight.discard(session.workspace_id)
-
-    async def touch(self, workspace_id: UUID, runner_session_ids: list[UUID]) -> None:
-        self.touches.append(list(runner_session_ids))
+def parked_in(workspace: UUID, *labels: str, capped: bool = False) -> Waiter:
+    return Waiter(
+        SessionClaims(uuid.uuid4(), workspace, tuple(sorted(labels)), 1 if capped else None)
+    )
 
 
-def parked_in(workspace: UUID) -> Waiter:
-    return Waiter(SessionClaims(uuid.uuid4(), workspace, ("linux",), 1))  # capped: `claim`
+def claims_in(store: FakeStore) -> int:
+    return len(store.claims)
 
 
-async def _run(
-    store: SlowStore, passes: int, body: Callable[[Dispatcher], Awaitable[None]]
-) -> None:
-    dispatcher = Dispatcher(store, tick_seconds=TICK, tick_passes=passes)
+async def _run(store: FakeStore, body: Callable[[Dispatcher], Awaitable[None]]) -> None:
+    dispatcher = Dispatcher(store, tick_seconds=TICK, touch_seconds=TOUCH)
     async with anyio.create_task_group() as group:
         await group.start(dispatcher.run)
         await body(dispatcher)
         group.cancel_scope.cancel()
 
 
-async def test_tick_passes_take_turns() -> None:
-    """Three actors tick within one second of each other with 3 s claims: with one turn their
-    tick claims run one after another, and each still runs."""
-    store = SlowStore()
-    workspaces = [uuid.uuid4() for _ in range(3)]
+async def test_one_read_a_tick_and_only_an_actor_with_work_claims() -> None:
+    """Three workspaces parked, nothing pending: each tick is one read naming every actor's
+    label set and no claim at all. A job whose notification was lost in one of them: the next
+    tick's read finds it and only that actor claims, and its runner gets the job."""
+    store = FakeStore()
+    a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
 
     async def body(dispatcher: Dispatcher) -> None:
-        for workspace in workspaces:
-            dispatcher.park(parked_in(workspace))
-        await anyio.sleep(0.5)  # each newcomer tried at once, in parallel: no turn needed
-        assert store.most_in_flight == 3
-        store.most_in_flight = 0
-        store.claimed_in.clear()
-        store.delay = dict.fromkeys(workspaces, 3.0)
-        await anyio.sleep(13)  # ticks at 4 to 5 s, then 3 s each in turn
-        assert store.most_in_flight == 1
-        assert set(store.claimed_in) == set(workspaces)
+        dispatcher.park(parked_in(a, "linux"))
+        dispatcher.park(parked_in(b, "linux", "x64"))
+        waiting = parked_in(c, "linux", capped=True)
+        dispatcher.park(waiting)
+        await anyio.sleep(1)  # each newcomer tried once, at once
+        assert claims_in(store) == 3
+        store.claims.clear()
+        await anyio.sleep(TICK * 4)  # four ticks
+        assert store.claims == []  # no actor claimed for nothing
+        assert len(store.reads) == 4
+        assert all(
+            sorted(read) == sorted([(a, ("linux",)), (b, ("linux", "x64")), (c, ("linux",))])
+            for read in store.reads
+        )
+        job = store.add(("linux",), workspace=c)  # committed; its NOTIFY is lost
+        with anyio.fail_after(TICK):  # by the next tick
+            await waiting.done.wait()
+        assert waiting.job == job
+        assert store.claims == [("linux",)]  # c's claim alone
 
-    await _run(store, 1, body)
+    await _run(store, body)
 
 
-async def test_a_wake_up_does_not_wait_for_a_tick_turn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A holds the only turn in a 10 s claim; B's tick queues behind it. A job for B and its
-    notification reach B's waiter at once, not after A's claim."""
-    monkeypatch.setattr(dispatch, "next_tick", lambda tick: tick)  # ticks at known times
-    store = SlowStore()
+async def test_the_tick_wakes_only_the_label_sets_with_work() -> None:
+    """A job only the wider label set can take: the tick wakes that set, not the narrower one,
+    which stays known to be empty and makes no claim."""
+    store = FakeStore()
+    workspace = uuid.uuid4()
+
+    async def body(dispatcher: Dispatcher) -> None:
+        narrow, wide = parked_in(workspace, "linux"), parked_in(workspace, "gpu", "linux")
+        dispatcher.park(narrow)
+        dispatcher.park(wide)
+        await anyio.sleep(1)
+        store.claims.clear()
+        job = store.add(("gpu", "linux"), workspace=workspace)  # no wake-up
+        with anyio.fail_after(TICK):
+            await wide.done.wait()
+        assert wide.job == job
+        assert store.claims == [("gpu", "linux")]
+        await anyio.sleep(TICK * 2)
+        assert store.claims == [("gpu", "linux")]  # the narrow set is still known empty
+        assert not narrow.done.is_set()
+
+    await _run(store, body)
+
+
+async def test_a_wake_up_does_not_wait_for_the_tick_read() -> None:
+    """The tick's read takes 10 s (a slow database); a job notified meanwhile reaches its runner
+    at once, not after the read."""
+    store = FakeStore()
     a, b = uuid.uuid4(), uuid.uuid4()
 
     async def body(dispatcher: Dispatcher) -> None:
-        dispatcher.park(parked_in(a))
-        await anyio.sleep(0.5)
-        waiting = Waiter(SessionClaims(uuid.uuid4(), b, ("linux",), 1))
+        dispatcher.park(parked_in(a, "linux"))
+        waiting = parked_in(b, "linux")
         dispatcher.park(waiting)
-        await anyio.sleep(0.5)
-        store.delay[a] = 10.0
-        await anyio.sleep(5)  # A ticked at 5.0 and holds the turn; B ticked at 5.5: queued
-        assert store.in_flight == {a}
-        assert b not in store.claimed_in[2:]
-        job = store.add(("linux",))
+        await anyio.sleep(1)
+        store.read_delay = 10.0
+        await anyio.sleep(TICK)  # 6: the read started at 5 and runs until 15
+        assert len(store.reads) == 1
+        job = store.add(("linux",), workspace=b)
         dispatcher.wake(b, ("linux",))
         with anyio.fail_after(0.5):
             await waiting.done.wait()
         assert waiting.job == job
-        assert store.in_flight == {a}  # A's tick claim is still running
-        # B left the queue: when A's turn ends, the turn is free again, and B's next tick runs.
-        store.delay[a] = 0.0
-        claims = len(store.claimed_in)
-        await anyio.sleep(15)
-        assert store.claimed_in[claims:].count(a) >= 1
+        assert len(store.reads) == 1  # the read still running
 
-    await _run(store, 1, body)
+    await _run(store, body)
 
 
-def test_turns_are_handed_over_in_order_and_a_leaver_gets_none() -> None:
-    granted: list[str] = []
-
-    class Taker:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def granted(self) -> None:
-            granted.append(self.name)
-
-    turns = TickTurns(1)
-    first, second, third = Taker("first"), Taker("second"), Taker("third")
-    assert turns.take(first)
-    assert not turns.take(second)
-    assert not turns.take(third)
-    assert turns.queued == 2
-    turns.leave(second)
-    turns.release()  # first's turn goes to third
-    assert granted == ["third"]
-    turns.release()  # third's is free again
-    assert turns.take(Taker("fourth"))
-    with pytest.raises(ValueError, match="at least one"):
-        TickTurns(0)
-
-
-def test_a_tick_is_never_longer_than_the_tick() -> None:
-    waits = [next_tick(TICK) for _ in range(1000)]
-    assert all(SPREAD * TICK <= wait <= TICK for wait in waits)
-    assert max(waits) - min(waits) > 0.5  # spread, not one value
-
-
-async def test_no_turn_is_lost_to_a_runner_leaving_or_a_failing_claim(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """B queues for the only turn and its runner goes away: B leaves the queue. A's tick claim
-    fails: its turn is returned all the same. Then C's tick runs in its turn, at once."""
-    monkeypatch.setattr(dispatch, "next_tick", lambda tick: tick)
-    store = SlowStore()
-    a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+async def test_a_failed_read_wakes_every_actor_to_claim_for_itself() -> None:
+    """When the read fails, each actor claims as every tick did before it: a job whose
+    notification was lost is still found, and while claims fail too the runners hear why."""
+    store = FakeStore()
+    a, b = uuid.uuid4(), uuid.uuid4()
 
     async def body(dispatcher: Dispatcher) -> None:
-        dispatcher.park(parked_in(a))
-        await anyio.sleep(0.5)
-        leaving = parked_in(b)
-        dispatcher.park(leaving)
-        await anyio.sleep(0.5)
-        store.delay[a] = 3.0
-        store.failing.add(a)
-        await anyio.sleep(4.7)  # 5.7: A ticked at 5.0 (a 3 s claim); B's tick at 5.5 queued
-        assert store.in_flight == {a}
-        assert leaving.abandon()  # B's runner disconnects while B waits for a turn
-        await anyio.sleep(2.5)  # 8.2: A's claim failed at 8.0, its waiter answered "unavailable"
-        assert store.in_flight == set()
-        assert dispatcher.parked == 0
-        staying = parked_in(c)
-        dispatcher.park(staying)
-        await anyio.sleep(0.5)
-        store.claimed_in.clear()
-        await anyio.sleep(5)  # C's tick at 13.7: its turn is free, so it claims at once
-        assert store.claimed_in == [c]
+        idle, waiting = parked_in(a, "linux"), parked_in(b, "linux")
+        dispatcher.park(idle)
+        dispatcher.park(waiting)
+        await anyio.sleep(1)
+        store.claims.clear()
+        store.read_failure = DatabaseUnavailable("the read timed out")
+        job = store.add(("linux",), workspace=b)  # its NOTIFY is lost
+        with anyio.fail_after(TICK):
+            await waiting.done.wait()
+        assert waiting.job == job
+        assert len(store.claims) == 2  # both actors claimed, each for its own workspace
+        store.failure = DatabaseUnavailable("the database is unreachable")
+        with anyio.fail_after(TICK):
+            await idle.done.wait()
+        assert isinstance(idle.error, DatabaseUnavailable)
 
-    await _run(store, 1, body)
+    await _run(store, body)
+
+
+async def test_liveness_is_one_stamp_for_the_whole_replica_per_interval() -> None:
+    store = FakeStore()
+    workspaces = [uuid.uuid4() for _ in range(3)]
+    parked = [parked_in(workspace, "linux") for workspace in workspaces for _ in range(2)]
+
+    async def body(dispatcher: Dispatcher) -> None:
+        for each in parked:
+            dispatcher.park(each)
+        await anyio.sleep(TOUCH * 3 + 1)
+        assert len(store.touches) == 3  # one a replica and interval, not one a workspace
+        ids = {each.session.runner_session_id for each in parked}
+        assert all(set(batch) == ids for batch in store.touches)
+        for each in parked:
+            each.abandon()
+        await anyio.sleep(TOUCH * 2)
+        assert len(store.touches) == 3  # nobody parked: no stamp, and no read either
+        reads = len(store.reads)
+        await anyio.sleep(TICK * 2)
+        assert len(store.reads) == reads
+
+    await _run(store, body)
