@@ -27,8 +27,8 @@ from controlplane.store.reservations import (
     ACTIVE_SQL,
     RESERVATION_COLUMNS,
     RUNNER_COLUMNS,
+    hold_reservations,
     lock_assignments,
-    lock_reservations,
     reservation_from_row,
     runner_from_row,
 )
@@ -162,12 +162,23 @@ async def _demand_and_reservations(
     return demand, reservations
 
 
-async def _workspace_reservations(conn: Conn, workspace_id: UUID) -> list[Reservation]:
+async def _own_live_reservations(
+    conn: Conn, workspace_id: UUID, provisioner_id: UUID, now: datetime
+) -> list[UUID]:
+    """The ids of the provisioner's reservations in the workspace that are live at `now` (the
+    round's time), in id order: the ones a round locks. Only the ids: the round reads every
+    reservation of the workspace afresh once its locks are held."""
     rows = await conn.fetch(
-        f"SELECT {RESERVATION_COLUMNS} FROM reservations WHERE workspace_id = $1 ORDER BY id",  # noqa: S608 -- interpolates constants only: RESERVATION_COLUMNS
+        """
+        SELECT id FROM reservations
+         WHERE workspace_id = $1 AND provisioner_id = $2 AND expires_at > $3
+         ORDER BY id
+        """,
         workspace_id,
+        provisioner_id,
+        now,
     )
-    return [reservation_from_row(r) for r in rows]
+    return [r["id"] for r in rows]
 
 
 async def reservations_by_id(conn: Conn, ids: Collection[UUID]) -> list[Reservation]:
@@ -212,10 +223,9 @@ async def read_inputs(
 ) -> AllocationInputs:
     """Steps 3 to 5 of `domain.demand`: demand, the workspace's reservations with this
     provisioner's live ones locked (assignment keys, then rows in id order), its runners."""
-    seen = await _workspace_reservations(conn, workspace_id)
-    own = [r.id for r in seen if r.provisioner_id == provisioner_id and r.is_live(now)]
+    own = await _own_live_reservations(conn, workspace_id, provisioner_id, now)
     await lock_assignments(conn, provisioner_id, own)
-    await lock_reservations(conn, own, provisioner_id=provisioner_id)
+    await hold_reservations(conn, own, provisioner_id=provisioner_id)
     # A fresh statement after the locks: the counts of this provisioner's rows are now stable.
     # Demand and reservations come from that one statement, so from one snapshot: a claim that
     # commits in between (taking a pending job and releasing its unit) is seen whole or not at

@@ -132,6 +132,14 @@ async def lock_assignments(
         )
 
 
+# Step 3's statement: the rows FOR UPDATE in id order, reading back `{columns}`.
+_LOCK_RESERVATIONS = """
+    SELECT {columns} FROM reservations
+     WHERE id = ANY($1::uuid[]) AND ($2::uuid IS NULL OR provisioner_id = $2)
+     ORDER BY id
+       FOR UPDATE"""
+
+
 async def lock_reservations(
     conn: Conn, reservation_ids: Iterable[UUID], *, provisioner_id: UUID | None = None
 ) -> list[Reservation]:
@@ -140,16 +148,19 @@ async def lock_reservations(
     if not ids:
         return []
     rows = await conn.fetch(
-        f"""
-        SELECT {RESERVATION_COLUMNS} FROM reservations
-         WHERE id = ANY($1::uuid[]) AND ($2::uuid IS NULL OR provisioner_id = $2)
-         ORDER BY id
-           FOR UPDATE
-        """,  # noqa: S608 -- interpolates constants only: RESERVATION_COLUMNS
-        ids,
-        provisioner_id,
+        _LOCK_RESERVATIONS.format(columns=RESERVATION_COLUMNS), ids, provisioner_id
     )
     return [reservation_from_row(row) for row in rows]
+
+
+async def hold_reservations(
+    conn: Conn, reservation_ids: Iterable[UUID], *, provisioner_id: UUID | None = None
+) -> None:
+    """Step 3 for a caller that reads the rows afresh after its locks (an allocation round): the
+    same locks, in the same order, as `lock_reservations`, with nothing read back but the ids."""
+    ids = sorted(set(reservation_ids))
+    if ids:
+        await conn.execute(_LOCK_RESERVATIONS.format(columns="id"), ids, provisioner_id)
 
 
 async def lock_runners(conn: Conn, runner_ids: Iterable[UUID]) -> list[ProvisionedRunner]:

@@ -894,6 +894,28 @@ async def test_templates_are_replaced_whole_and_an_empty_list_withdraws_them(
     assert await conn.fetchval("SELECT count(*) FROM provisioner_templates") == 0
 
 
+async def test_a_round_locks_exactly_the_provisioners_live_reservations_in_the_workspace(
+    conn: Conn, observer: asyncpg.Connection, workspace: UUID, wsp: Provisioner
+) -> None:
+    """Step 3 of the lock order: the rows of the provisioner's reservations in the workspace that
+    are live at the round's time, and no other (the round finds them by id, then reads every
+    reservation afresh once they are locked)."""
+    other = await rows.provisioner(conn, workspace)
+    live = await rows.reservation(conn, workspace_id=workspace, provisioner_id=wsp.id)
+    expired = await rows.reservation(
+        conn, workspace_id=workspace, provisioner_id=wsp.id, ttl=-MINUTE
+    )
+    others = await rows.reservation(conn, workspace_id=workspace, provisioner_id=other.id)
+    elsewhere = await rows.reservation(conn, workspace_id=uuid.uuid4(), provisioner_id=wsp.id)
+    ids = [live, expired, others, elsewhere]
+    async with conn.transaction():  # the round's locks stay held until this commits
+        await poll(conn, wsp, workspace)
+        free = await observer.fetch(
+            "SELECT id FROM reservations WHERE id = ANY($1::uuid[]) FOR UPDATE SKIP LOCKED", ids
+        )
+    assert {r["id"] for r in free} == {expired, others, elsewhere}
+
+
 # --- binding races -------------------------------------------------------------------------------
 
 
