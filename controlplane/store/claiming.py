@@ -177,12 +177,17 @@ _LOGGED = f"""logged AS (
 # $4 session, $5/$6 provisioned link, $7 liveness throttle, $8 capped. The candidate and its
 # admission are store/ordering.py's (priority, concurrency keys, fair share); the statement for a
 # workspace believed to order fairly (`fair`) carries the fair pick only, the other the plain pick
-# only, and each returns `fair`, the setting its pick's guard read (store/ordering.py).
+# only, and each returns `fair`, the setting its pick's guard read (store/ordering.py). A claim has
+# one candidate, so it admits it by `ordering.ADMISSION_ONE` (no sort, window or join) and reads
+# the setting once: when the pick found a row, its guard held in the statement's snapshot, so
+# `fair` is the statement's own ordering; only an empty pick probes the setting again. What this
+# spares is paid at every claim, and again in planning the first claims of each connection
+# (store/ordering.py, "Plans").
 def _claim_statement(fair: bool) -> str:
     return f"""
 WITH candidate AS MATERIALIZED (
     {ordering.candidates(fair, "1", also=_SESSION_NOT_PAUSED)}
-), {ordering.ADMISSION}, taken AS (
+), {ordering.ADMISSION_ONE}, taken AS (
     DELETE FROM pending_jobs WHERE id = (SELECT id FROM admitted)
     RETURNING id, {IDENTITY_COLUMNS}, required_labels, payload, created_at,
               {POLICY_COLUMNS}
@@ -204,7 +209,8 @@ WITH candidate AS MATERIALIZED (
       AND (updated_at < now() - $7::interval OR ($8 AND EXISTS (SELECT 1 FROM leased)))
     RETURNING 1
 )
-SELECT {ordering.FAIR} AS fair, c.id AS candidate, c.locked,
+SELECT CASE WHEN c.id IS NULL THEN {ordering.FAIR} ELSE {str(fair).lower()} END AS fair,
+       c.id AS candidate, c.locked,
        c.locked AND c.concurrency_key IS NOT NULL AND NOT EXISTS (SELECT 1 FROM taken) AS key_full,
        (SELECT count(*) FROM logged) AS logged,
        (SELECT count(*) FROM touched) AS touched, l.workspace_id, l.workflow_run_id,

@@ -63,6 +63,13 @@ are never NULL, so it decides the same), and sql/0028 has it guess a workspace a
 pending rows; with both, stopping at the first claimable row costs a small fraction of the sort
 (tests/store/test_ordering_choice.py forces the statistics of such installations).
 
+Before a connection keeps the generic plan it plans its first five claims for their parameters,
+so a pool of new connections plans the claim statement five times per connection: at 200 runners
+of 15 claims each a third of the claims were planned, and the statement's size cost there as
+much as at each execution. So the single claim carries no more than it needs: its one candidate
+has rank 1 (`_rank`, no window), is admitted by `ADMISSION_ONE` (no sort, window or join), and
+the claim reads the ordering setting once when its pick found a row (store/claiming.py).
+
 The fair pick reads the same `PLAIN_CLAIMABLE`, so it keeps a generic plan too, and its walks'
 bounds are one-time subqueries (a LIMIT of unknown value is planned as 10% of the rows): with a
 constant bound above the few claimable rows the planner expected, its plans sorted every row of
@@ -271,6 +278,12 @@ def fair_pick(limit: str, also: str, bound: int = FAIR_WALK) -> str:
           LIMIT {limit}"""  # noqa: S608 -- constants and the caller's constant limit
 
 
+def _rank(limit: str, order: str) -> str:
+    """The candidates' rank (1 is served first) in `order`: a constant for one candidate, which
+    spares every single claim a sort and a window over its one row."""
+    return "1::bigint" if limit == "1" else f"row_number() OVER (ORDER BY {order})"
+
+
 def fifo_candidates(limit: str, *, also: str = "") -> str:
     """The plain claim's candidates: up to `limit` rows with `locked` (the row and a try of its
     execution lock) and `rank` (1 is served first); the claim's index walk as it was before
@@ -278,7 +291,7 @@ def fifo_candidates(limit: str, *, also: str = "") -> str:
     `also`: one more condition that does not depend on the row (a one-time filter)."""
     also = f" AND {also}" if also else ""
     return f"""SELECT p.id, p.concurrency_key, p.concurrency_limit,
-           row_number() OVER (ORDER BY p.priority DESC, p.created_at, p.id) AS rank,
+           {_rank(limit, "p.priority DESC, p.created_at, p.id")} AS rank,
            {try_execution_lock("p.job_execution_id")} AS locked
     FROM ({fifo_pick(limit, also)}) AS p"""  # noqa: S608 -- constants and the caller's constant limit
 
@@ -288,7 +301,7 @@ def fair_candidates(limit: str, *, also: str = "") -> str:
     fair pick alone; none in a workspace that does not order fairly (its guard)."""
     also = f" AND {also}" if also else ""
     return f"""SELECT f.id, f.concurrency_key, f.concurrency_limit,
-           row_number() OVER (ORDER BY f.share, f.priority DESC, f.created_at, f.id) AS rank,
+           {_rank(limit, "f.share, f.priority DESC, f.created_at, f.id")} AS rank,
            EXISTS (SELECT 1 FROM pending_jobs l WHERE l.id = f.id FOR UPDATE SKIP LOCKED)
            AND {try_execution_lock("f.job_execution_id")} AS locked
     FROM ({fair_pick(limit, also)}) AS f"""  # noqa: S608 -- constants and the caller's constant limit
@@ -338,6 +351,21 @@ ADMISSION = """key_room AS (
           FROM candidate WHERE locked) AS c
     LEFT JOIN key_room k ON k.concurrency_key = c.concurrency_key
     WHERE c.concurrency_key IS NULL OR c.nth <= c.concurrency_limit - k.running
+)"""
+
+# `ADMISSION` for a single claim's one candidate, with the same locks and the same answer: its key
+# row (if it has a key) locked SKIP LOCKED, and the candidate admitted while that key's newest
+# committed count is below its limit (a held key row admits nothing). No window, sort or join: an
+# unkeyed candidate, the only kind when no job uses a key, never reads `key_room` (the OR stops at
+# its first true arm; were `key_room` read anyway, a NULL key matches no row and locks none).
+ADMISSION_ONE = """key_room AS (
+    SELECT k.running FROM concurrency_keys k
+    WHERE k.workspace_id = $1
+      AND k.concurrency_key = (SELECT concurrency_key FROM candidate WHERE locked)
+    FOR UPDATE SKIP LOCKED
+), admitted AS (
+    SELECT id FROM candidate
+    WHERE locked AND (concurrency_key IS NULL OR concurrency_limit > (SELECT running FROM key_room))
 )"""
 
 

@@ -388,6 +388,27 @@ async def test_q36_with_every_policy_off_the_claim_walks_the_priority_index(
     assert await pending_ids(conn, workspace) == [ex(j) for j in jobs[1:]]
 
 
+async def test_q36_with_every_policy_off_the_claim_sorts_nothing_and_reads_each_guard_once(
+    conn: Conn, workspace: UUID
+) -> None:
+    # What a claim pays for the policies when no job uses one: the one-time guards (pauses, the
+    # ordering setting) and per-row filters, but no sort or window over its one candidate, no
+    # read of the key rows for an unkeyed candidate, and the ordering setting read once (the
+    # `fair` it returns is the pick's guard when the pick found a row). Each of these is planned
+    # again for the first claims of every connection (store/claiming.py, `_claim_statement`).
+    await enqueue(conn, *[new_job(workspace) for _ in range(20)])
+    runner = await manual_session(conn, workspace)
+    plan = await conn.fetchval(
+        "EXPLAIN (ANALYZE, FORMAT JSON) " + claiming._CLAIM[False], *claim_args(runner)
+    )
+    nodes = list(_walk(json.loads(plan)[0]["Plan"]))
+    assert not [n["Node Type"] for n in nodes if n["Node Type"] in ("Sort", "WindowAgg", "Hash")]
+    reads = [n["Relation Name"] for n in nodes if n["Actual Loops"] > 0 and "Relation Name" in n]
+    assert reads.count("workspace_settings") == 1
+    assert "concurrency_keys" not in reads
+    assert len(await pending_ids(conn, workspace)) == 19
+
+
 async def claim_reads(
     conn: Conn, workspace: UUID, jobs: list[NewJob], *, fair: bool = False
 ) -> list[dict[str, Any]]:
