@@ -116,6 +116,8 @@ class Provisioner:
         seen = answer["demands_before"]
         with anyio.fail_after(300):
             while len(self.demands) == seen:
+                if self.closed:
+                    raise RuntimeError(f"session closed before its push: {self.closed}")
                 self.pushed = anyio.Event()
                 await self.pushed.wait()
         arrived, message = self.demands[seen]

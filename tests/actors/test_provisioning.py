@@ -253,6 +253,46 @@ async def test_an_advertisement_runs_a_round_and_pushes_demand_even_with_nothing
     await _session(store, workspace, body)
 
 
+class SlowCountStore(FakeStore):
+    """Its divergence read (the last read of an advertisement) waits until `counted` is set."""
+
+    def __init__(self, workspace_id: UUID | None) -> None:
+        super().__init__(workspace_id)
+        self.counted = anyio.Event()
+
+    async def instance_counts(self) -> dict[tuple[str, str], int]:
+        await self.counted.wait()
+        return {}
+
+
+async def test_an_advertisement_is_answered_before_its_round_pushes() -> None:
+    """The protocol's order is `advertised`, then the round's `demand`: no round may start
+    while the advertisement still waits on the store, or its push could overtake the answer
+    (seen with 1,000 sessions: a client that took that push for an earlier round's waited for
+    ever)."""
+    workspace = uuid.uuid4()
+    store = SlowCountStore(workspace)
+    store.queued[workspace] = 1
+
+    async def body(actor: ProvisionerActor, pushes: MemoryObjectReceiveStream[DemandPush]) -> None:
+        answered: list[int] = []
+
+        async def advertise() -> None:
+            answered.append(await actor.advertise([template(1)], 10, None))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(advertise)
+            await anyio.sleep(1)  # mock time: a round (0.01 s a transaction) would be done
+            assert answered == []  # still waiting on the store...
+            assert pushes.statistics().current_buffer_used == 0  # ...and no round has pushed
+            store.counted.set()
+        assert answered == [1]
+        push = await _next(pushes)
+        assert push.newly_reserved == 1
+
+    await _session(store, workspace, body)
+
+
 async def test_a_wake_from_an_enqueue_reaches_the_actors_that_serve_the_workspace() -> None:
     workspace, other = uuid.uuid4(), uuid.uuid4()
     store = FakeStore(workspace)

@@ -206,9 +206,11 @@ class ProvisionerActor:
     async def advertise(
         self, ads: Sequence[Template], max_reservations: int, reservation_ttl_seconds: int | None
     ) -> int:
-        """Store the templates and run a round; the number of templates kept."""
+        """Store the templates and run a round; the number of templates kept. The round is woken
+        after the last await, so its push cannot overtake the answer (the protocol's order)."""
         templates = advertised_templates(self.provisioner.scope, ads, self.limits.reserved_labels)
         await self.store.replace_templates(templates)
+        await self._count_divergence(ads)
         ttl = reservation_ttl(
             reservation_ttl_seconds,
             default_seconds=self.limits.reservation_ttl_seconds,
@@ -217,7 +219,6 @@ class ProvisionerActor:
         self._advertisement = Advertisement(templates, max_reservations, ttl)
         self._fresh_advertisement = True
         self.resync()  # new templates: what was covered may not be
-        await self._count_divergence(ads)
         return len(templates)
 
     async def _count_divergence(self, ads: Sequence[Template]) -> None:
