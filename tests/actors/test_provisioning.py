@@ -268,8 +268,8 @@ class SlowCountStore(FakeStore):
 async def test_an_advertisement_is_answered_before_its_round_pushes() -> None:
     """The protocol's order is `advertised`, then the round's `demand`: no round may start
     while the advertisement still waits on the store, or its push could overtake the answer
-    (seen with 1,000 sessions: a client that took that push for an earlier round's waited for
-    ever)."""
+    (a client that takes that push for an earlier round's waits for ever: the likely cause of a
+    1,000-session bench run that stopped)."""
     workspace = uuid.uuid4()
     store = SlowCountStore(workspace)
     store.queued[workspace] = 1
