@@ -48,15 +48,10 @@ import json
 import os
 import random
 import resource
-import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -81,6 +76,7 @@ from bench.installation_clients import (
     proc_window,
     rss_mib,
 )
+from bench.profiling import profile_summary, profiled
 from controlplane.store import provisioners
 
 PARTS = ("allocation", "sessions", "parked", "fanout")
@@ -194,72 +190,9 @@ def raise_fd_limit(needed: int) -> None:
     raise SystemExit(f"{needed} open files needed, the limit is {soft}: raise `ulimit -Hn`")
 
 
-# --- profile ------------------------------------------------------------------------------------
-
-
-def py_spy() -> str | None:
-    """py-spy (PyPI), beside this interpreter or on PATH; None when not installed."""
-    beside = Path(sys.executable).parent / "py-spy"
-    return str(beside) if beside.exists() else shutil.which("py-spy")
-
-
-@contextlib.asynccontextmanager
-async def profiled(pid: int, path: Path | None) -> AsyncIterator[None]:
-    """py-spy's record of process `pid` while the body runs, as collapsed stacks in `path`
-    (nothing when `path` is None or py-spy is missing). Sampling does not stop the process."""
-    spy = py_spy()
-    if path is None or spy is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    command = [spy, "record", "--pid", str(pid), "--format", "raw", "--nonblocking"]
-    process = subprocess.Popen(
-        [*command, "--output", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        yield
-    finally:
-        process.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def grant_profile(rounds: Path) -> Path:
     """Where the replica's profile through the grant probes goes, beside the rounds' one."""
     return rounds.with_name(f"{rounds.stem}_grants{rounds.suffix}")
-
-
-def profile_summary(path: Path, top: int = 12) -> dict[str, Any]:
-    """The functions with the most samples in a collapsed-stack file: where the samples ended
-    (self) and, for the replica's own code, every sample a function was on the stack for."""
-    if not path.exists():
-        return {"file": None, "why": f"py-spy wrote no {path.name} (is it installed?)"}
-    own: Counter[str] = Counter()
-    inclusive: Counter[str] = Counter()
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = [frame.rsplit(":", 1)[0] + ")" for frame in stack.split(";")]
-        total += int(count)
-        own[frames[-1]] += int(count)
-        for frame in set(frames):
-            if "controlplane/" in frame and "controlplane/cli/" not in frame:  # not main()
-                inclusive[frame] += int(count)
-
-    def shares(counter: Counter[str]) -> list[tuple[str, float]]:
-        return [(name, round(100 * n / total, 1)) for name, n in counter.most_common(top)]
-
-    return {
-        "file": str(path),
-        "samples": total,
-        "self_percent": shares(own),
-        "controlplane_inclusive_percent": shares(inclusive),
-    }
 
 
 @contextlib.asynccontextmanager
@@ -585,7 +518,9 @@ async def run(
 ) -> dict[str, Any]:
     """Run the parts of `sizes`; with `profile` (and py-spy installed), the replica of the
     larger allocation run is profiled through its rounds (installation_profile.txt) and its
-    grant probes (installation_profile_grants.txt)."""
+    grant probes (installation_profile_grants.txt), and every replica through the sessions'
+    grants (installation_profile_sessions_N.txt) and the parked runners' dispatches
+    (installation_profile_parked_N.txt). A profiled run's figures include py-spy's own CPU."""
     # Each session is a socket here; the parked runners are spread over child processes.
     raise_fd_limit(sizes.sessions + sizes.installation_sessions + 1000)
     folder = results_dir(smoke)
@@ -598,11 +533,15 @@ async def run(
         if "sessions" in sizes.parts:
             print("sessions:")
             async with cluster(server, sizes.session_replicas, tree) as (url, started):
-                results["sessions"] = await installation_fleets.sessions(url, started, sizes)
+                results["sessions"] = await installation_fleets.sessions(
+                    url, started, sizes, folder if profile else None
+                )
         if "parked" in sizes.parts:
             print("parked:")
             async with cluster(server, sizes.parked_replicas, tree) as (url, started):
-                results["parked"] = await installation_fleets.parked(url, started, sizes)
+                results["parked"] = await installation_fleets.parked(
+                    url, started, sizes, folder if profile else None
+                )
         if "fanout" in sizes.parts:
             print("fanout:")
             results["fanout"] = await fanout(server, tree, sizes)
@@ -646,8 +585,8 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Sizes, Path | None, bool, 
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="py-spy the replica through the larger allocation run's rounds and grant probes "
-        "(if installed)",
+        help="py-spy the replicas through the larger allocation run's rounds and grant probes, "
+        "the sessions' grants and the parked runners' dispatches (if installed)",
     )
     for spec in dataclasses.fields(Sizes):
         value = getattr(defaults, spec.name)

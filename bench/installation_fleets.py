@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -29,6 +30,7 @@ from bench.installation_clients import (
     proc_window,
     rss_mib,
 )
+from bench.profiling import each_profiled, summaries
 from controlplane.store import credentials, provisioners
 
 if TYPE_CHECKING:
@@ -137,7 +139,10 @@ async def _steady_grants(
     }
 
 
-async def sessions(url: str, started: list[harness.Replica], sizes: Sizes) -> dict[str, Any]:
+async def sessions(
+    url: str, started: list[harness.Replica], sizes: Sizes, profile: Path | None = None
+) -> dict[str, Any]:
+    """With `profile` (a folder), py-spy records every replica through the grants."""
     pids = [replica.process.pid for replica in started]
     conn = await asyncpg.connect(url)
     try:
@@ -162,7 +167,8 @@ async def sessions(url: str, started: list[harness.Replica], sizes: Sizes) -> di
             loaded = await window(pids, conn, sizes.idle_window)
             live = await gauge(started, "controlplane_provisioner_control_sessions")
             print(f"  {len(fleet)} + {len(installation)} sessions: {loaded}")
-            grants = await _steady_grants(started, key, fleet, sizes)
+            async with each_profiled(pids, profile, "installation_profile_sessions"):
+                grants = await _steady_grants(started, key, fleet, sizes)
             print(
                 f"  grant at {grants['achieved_rate']} enqueues/s: p50 {grants['p50_ms']} ms, "
                 f"p99 {grants['p99_ms']} ms, {grants['not_granted']} not granted"
@@ -184,6 +190,7 @@ async def sessions(url: str, started: list[harness.Replica], sizes: Sizes) -> di
         "per_session": per_member(loaded, idle, len(fleet) + len(installation)),
         "grant": grants,
         "baseline_insert_notify_listen": floor,
+        "profiles": summaries(pids, profile, "installation_profile_sessions"),
     }
 
 
@@ -243,7 +250,10 @@ async def _runner_process(addresses: list[str], sessions: list[str], arrivals: A
                 await process.wait()
 
 
-async def parked(url: str, started: list[harness.Replica], sizes: Sizes) -> dict[str, Any]:
+async def parked(
+    url: str, started: list[harness.Replica], sizes: Sizes, profile: Path | None = None
+) -> dict[str, Any]:
+    """With `profile` (a folder), py-spy records every replica through the dispatches."""
     pids = [replica.process.pid for replica in started]
     conn = await asyncpg.connect(url)
     try:
@@ -273,9 +283,10 @@ async def parked(url: str, started: list[harness.Replica], sizes: Sizes) -> dict
             actors_parked = await gauge(started, "controlplane_workspace_actors")
             print(f"  {sizes.parked} parked: {loaded}, actors {actors_parked}")
             floor = harness.summary_ms(await dispatch.baseline(url, sizes.dispatch_samples))
-            dispatched = await _dispatches(
-                started, key, workspaces, arrivals, sizes.dispatch_samples
-            )
+            async with each_profiled(pids, profile, "installation_profile_parked"):
+                dispatched = await _dispatches(
+                    started, key, workspaces, arrivals, sizes.dispatch_samples
+                )
             print(
                 f"  dispatch p50 {dispatched['p50_ms']} ms, p99 {dispatched['p99_ms']} ms "
                 f"(INSERT+NOTIFY->LISTEN p99 {floor['p99_ms']} ms)"
@@ -304,6 +315,7 @@ async def parked(url: str, started: list[harness.Replica], sizes: Sizes) -> dict
         "per_runner": per_member(loaded, idle, sizes.parked),
         "dispatch": dispatched,
         "baseline_insert_notify_listen": floor,
+        "profiles": summaries(pids, profile, "installation_profile_parked"),
         "workspace_actors": {
             "parked": actors_parked,
             "runners_gone": actors_left,

@@ -17,6 +17,32 @@ def _joined(values: list[float]) -> str:
     return " / ".join(f"{value:g}" for value in values)
 
 
+def _profile(profile: dict[str, Any] | None, where: str) -> list[str]:
+    """A paragraph of what py-spy (`--profile`) found in `where`; none when it recorded nothing."""
+    if not profile or not profile.get("file"):
+        return []
+
+    def named(key: str) -> str:
+        return "; ".join(f"`{name}` {share}%" for name, share in profile[key][:6])
+
+    return [
+        "",
+        f"py-spy (`--profile`) on {where}, {profile['samples']} samples of its thread that "
+        f"py-spy did not find idle. Where they ended: {named('self_percent')} (a sample "
+        "ending in `Runner.run` is inside the event loop's own C code: polling, socket I/O, "
+        f"callbacks). Our functions on the stack: {named('controlplane_inclusive_percent')}.",
+    ]
+
+
+def _profiles(found: dict[str, Any], window: str) -> list[str]:
+    """`_profile` of each replica's record through `window` (a profiled run's figures include
+    py-spy's own CPU)."""
+    lines: list[str] = []
+    for index, profile in enumerate(found.get("profiles") or [], 1):
+        lines += _profile(profile, f"replica {index} through {window}")
+    return [*lines, ""] if lines else []
+
+
 def _allocation(found: dict[str, Any]) -> list[str]:
     sizes = list(found["by_workspaces"])
     big, small = (found["by_workspaces"][size] for size in sizes)
@@ -64,21 +90,8 @@ def _allocation(found: dict[str, Any]) -> list[str]:
             f"| {size} | {cold['p50_ms']} | {cold['p99_ms']} | {cold['missed']} | "
             f"{hot['p50_ms']} | {hot['p99_ms']} | {hot['missed']} |"
         )
-
-    def named(shares: list[list[Any]]) -> str:
-        return "; ".join(f"`{name}` {share}%" for name, share in shares[:6])
-
     for key, what in (("profile", "rounds"), ("grant_profile", "grant probes")):
-        profile = found.get(key)
-        if profile and profile.get("file"):
-            lines += [
-                "",
-                f"py-spy (`--profile`) on the replica through the {sizes[0]}-workspace {what}, "
-                f"{profile['samples']} samples of its thread that py-spy did not find idle. Where "
-                f"they ended: {named(profile['self_percent'])} (a sample ending in `Runner.run` "
-                "is inside the event loop's own C code: polling, socket I/O, callbacks). Our "
-                f"functions on the stack: {named(profile['controlplane_inclusive_percent'])}.",
-            ]
+        lines += _profile(found.get(key), f"the replica through the {sizes[0]}-workspace {what}")
     return [*lines, ""]
 
 
@@ -121,6 +134,7 @@ def _sessions(found: dict[str, Any]) -> list[str]:
         f"{grant['enqueued']} not granted (target: p99 under 50 ms), beside INSERT + NOTIFY -> "
         f"LISTEN {_floor(found)}.",
         "",
+        *_profiles(found, "the grants"),
     ]
 
 
@@ -152,6 +166,7 @@ def _parked(found: dict[str, Any]) -> list[str]:
         f"{_joined(actors['parked'])} while parked, {_joined(actors['runners_gone'])} once the "
         f"runners left {after}; RSS afterwards {_joined(found['rss_mib_after'])} MiB.",
         "",
+        *_profiles(found, "the dispatches"),
     ]
 
 

@@ -44,10 +44,9 @@ from bench.installation import (
     PROBE_SLOTS,
     fill_sql,
     installation_session,
-    profile_summary,
-    py_spy,
 )
 from bench.installation_clients import Template, enqueue, job, orchestrator_key
+from bench.profiling import profile_summary, py_spy
 from controlplane.store import demand_inputs, demand_list, walk_figures
 from controlplane.store.embedded import EmbeddedPostgres
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import installation, installation_timeline
+from bench import installation, installation_timeline, profiling
 
 
 def test_defaults_are_the_issue_sizes() -> None:
@@ -56,14 +56,14 @@ def test_profile_summary_shares_and_missing_file(tmp_path: Path) -> None:
         f"{main};{walk};fetch (asyncpg/connection.py:9) 1\n"
         f"{main};run (asyncio/runners.py:1) 4\n"
     )
-    found = installation.profile_summary(path)
+    found = profiling.profile_summary(path)
     assert found["samples"] == 8
     assert found["self_percent"][0] == ("fetch (asyncpg/connection.py)", 50.0)
     # Our own functions, inclusive; main() is on every stack and says nothing.
     assert found["controlplane_inclusive_percent"] == [
         ("installation_walk (controlplane/actors/provisioning/rounds.py)", 50.0)
     ]
-    assert installation.profile_summary(tmp_path / "absent.txt")["file"] is None
+    assert profiling.profile_summary(tmp_path / "absent.txt")["file"] is None
 
 
 def test_the_grant_probes_profile_lies_beside_the_rounds_one(tmp_path: Path) -> None:
