@@ -50,6 +50,20 @@ MAX_STEPPED_OVER = 1000
 # admitted row to the k-th of them.
 _SESSION_NOT_PAUSED = "NOT EXISTS (SELECT 1 FROM paused_runners WHERE runner_session_id = $4)"
 
+# The batch's sessions ($4, in the order they are served) that are not paused, as one array in
+# that order: the k-th admitted row goes to its k-th element. One probe of paused_runners for
+# them all; only when one of them is paused is each probed, to leave it out. (Each was probed,
+# and the others numbered by a window and joined to the leases, at every batch claim, found or
+# empty.)
+_NOT_PAUSED = """CASE WHEN NOT EXISTS (SELECT 1 FROM paused_runners
+                              WHERE runner_session_id = ANY($4::uuid[]))
+         THEN $4::uuid[]
+         ELSE ARRAY(SELECT t.session_id
+                    FROM unnest($4::uuid[]) WITH ORDINALITY AS t(session_id, given)
+                    WHERE NOT EXISTS (SELECT 1 FROM paused_runners p
+                                      WHERE p.runner_session_id = t.session_id)
+                    ORDER BY t.given) END"""
+
 
 @dataclass(frozen=True, slots=True)
 class ProvisionedClaim(ClaimedJob):
@@ -288,12 +302,10 @@ MAX_BATCH = 100
 # as _CLAIM; every row has `fair`, and one row with no candidate says the pick found nothing.
 def _claim_batch_statement(fair: bool) -> str:
     return f"""
-WITH wanted AS (
-    SELECT session_id, row_number() OVER (ORDER BY given) AS ord
-    FROM unnest($4::uuid[]) WITH ORDINALITY AS t(session_id, given)
-    WHERE NOT EXISTS (SELECT 1 FROM paused_runners WHERE runner_session_id = t.session_id)
+WITH wanted AS MATERIALIZED (
+    SELECT {_NOT_PAUSED} AS ids
 ), candidate AS MATERIALIZED (
-    {ordering.candidates(fair, "(SELECT count(*) FROM wanted)")}
+    {ordering.candidates(fair, "(SELECT cardinality(ids) FROM wanted)")}
 ), {ordering.ADMISSION}, taken AS (
     DELETE FROM pending_jobs AS p USING admitted c WHERE p.id = c.id
     RETURNING p.id, {qualified("p", IDENTITY_COLUMNS)},
@@ -302,10 +314,11 @@ WITH wanted AS (
 ), leased AS (
     INSERT INTO running_jobs (pending_id, {IDENTITY_COLUMNS}, runner_session_id,
         required_labels, runner_labels, payload, queued_at, {POLICY_COLUMNS})
-    SELECT t.id, {qualified("t", IDENTITY_COLUMNS)}, w.session_id,
+    SELECT t.id, {qualified("t", IDENTITY_COLUMNS)}, w.ids[t.ord],
            t.required_labels, $2::text[], t.payload, t.created_at,
            {qualified("t", POLICY_COLUMNS)}
-    FROM taken t JOIN wanted w ON w.ord = t.ord
+    FROM taken t, wanted w
+    -- ord <= cardinality(ids): no more candidates than the pick's limit
     ORDER BY t.ord  -- the leases, and so their events, in the order they are given
     ON CONFLICT (job_execution_id) DO NOTHING
     RETURNING {IDENTITY_COLUMNS}, runner_session_id, required_labels, payload, queued_at,

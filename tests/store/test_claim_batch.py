@@ -3,12 +3,16 @@ outcome, events and lock rules as claiming for each session in turn, in one stat
 
 from __future__ import annotations
 
+import json
+import uuid
+from typing import Any
 from uuid import UUID
 
 import pytest
 
 from controlplane.domain.jobs import SessionClaims
-from controlplane.store import claiming, locks
+from controlplane.domain.pauses import Operator, PauseKind
+from controlplane.store import claiming, locks, pauses
 from controlplane.store.pool import Conn
 from controlplane.store.records import json_value
 from tests.factories import holding_lock, manual_session, minutes_ago, new_job
@@ -19,6 +23,8 @@ from tests.store.test_claim import (
     running_row,
     running_with_orphan,
 )
+
+OPERATOR = Operator(uuid.uuid4(), "ops-key")
 
 
 async def sessions_of(conn: Conn, workspace: UUID, count: int) -> list[SessionClaims]:
@@ -130,3 +136,63 @@ async def test_a_session_twice_or_too_many_sessions_is_refused_and_changes_nothi
             await claiming.claim_batch(conn, workspace, runner.labels, session_ids)
 
     assert await pending_ids(conn, workspace) == [job.identity.job_execution_id]
+
+
+async def test_the_sessions_are_checked_for_pauses_in_one_read_when_none_is_paused(
+    conn: Conn, workspace: UUID
+) -> None:
+    # A batch serves its sessions that are not paused. When none is, one probe of paused_runners
+    # says so for them all: the sessions are not read one by one (probed, numbered, joined to the
+    # leases), which the dispatcher's batches of up to MAX_BATCH paid at every claim, found or
+    # empty (store/claiming.py, `_NOT_PAUSED`).
+    jobs = [new_job(workspace, queued_at=minutes_ago(3 - n)) for n in range(2)]
+    await enqueue(conn, *jobs)
+    runners = await sessions_of(conn, workspace, 5)
+    ids = [session.runner_session_id for session in runners]
+
+    plan = await conn.fetchval(
+        "EXPLAIN (ANALYZE, FORMAT JSON) " + claiming._CLAIM_BATCH[False],
+        workspace,
+        list(runners[0].labels),
+        [],
+        ids,
+    )
+
+    ran = [n for n in _nodes(json.loads(plan)[0]["Plan"]) if n["Actual Loops"] > 0]
+    assert sum(n["Actual Loops"] for n in ran if n.get("Relation Name") == "paused_runners") == 1
+    assert [n for n in ran if n["Node Type"] == "Function Scan"] == []  # no unnest of the sessions
+    leased = await conn.fetch(
+        "SELECT job_execution_id, runner_session_id FROM running_jobs WHERE workspace_id = $1",
+        workspace,
+    )
+    assert {(r["job_execution_id"], r["runner_session_id"]) for r in leased} == {
+        (jobs[0].identity.job_execution_id, ids[0]),
+        (jobs[1].identity.job_execution_id, ids[1]),
+    }
+
+
+async def test_paused_sessions_anywhere_in_the_batch_are_left_out_and_the_rest_served_in_order(
+    conn: Conn, workspace: UUID
+) -> None:
+    jobs = [new_job(workspace, queued_at=minutes_ago(5 - n)) for n in range(3)]
+    await enqueue(conn, *jobs)
+    runners = await sessions_of(conn, workspace, 5)
+    ids = [session.runner_session_id for session in runners]
+    for paused in (ids[0], ids[2], ids[4]):
+        await pauses.change(
+            conn, PauseKind.RUNNER, paused, paused=True, operator=OPERATOR, reason=None
+        )
+
+    claimed = await claiming.claim_batch(conn, workspace, runners[0].labels, ids)
+
+    assert {session: job.identity for session, job in claimed.items()} == {
+        ids[1]: jobs[0].identity,
+        ids[3]: jobs[1].identity,
+    }
+    # Every session paused: nothing is taken.
+    assert await claiming.claim_batch(conn, workspace, runners[0].labels, [ids[0], ids[4]]) == {}
+    assert await pending_ids(conn, workspace) == [jobs[2].identity.job_execution_id]
+
+
+def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    return [node, *(n for child in node.get("Plans", []) for n in _nodes(child))]
