@@ -58,7 +58,10 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
     """Insert pending rows for `jobs`, in one transaction; one result per job, in input order.
 
     Locks: the execution locks of every job (blocking, ascending key order), then pending-row
-    inserts. A concurrent claim of the same execution holds its lock until commit, so we then see
+    inserts (their trigger then takes the `cp_workspace_demand` keys shared and adds or lowers
+    summary rows, sql/0022, sql/0030), then each new concurrency key's row; all in one call of
+    `cp_enqueue` (sql/0026), one round trip, in its own transaction (the caller's, if it is in
+    one). A concurrent claim of the same execution holds its lock until commit, so we then see
     its running row; a concurrent reaper, reconcile or complete likewise leaves a tombstone that we
     see. Idempotent: a replay while pending changes nothing (the first write wins).
     """
@@ -72,78 +75,38 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
         first.setdefault(job.identity.job_execution_id, index)
     ids = list(first)
     todo = [jobs[first[i]] for i in ids]
-    async with conn.transaction():
-        await lock_executions(conn, ids)
-        # One statement after the locks (so its snapshot sees whatever the lock holders
-        # committed): find running and ended executions, insert the rest, notify per
-        # distinct (workspace, labels) of what was inserted.
-        row = await conn.fetchrow(
-            """
-            WITH input AS (
-                SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[],
-                                     $6::uuid[], $7::text[], $8::text[], $9::timestamptz[],
-                                     $10::text[], $12::integer[], $13::text[], $14::integer[],
-                                     $15::integer[], $16::integer[], $17::integer[])
-                     AS t(ws, run, attempt, job, ex, project, labels, body, queued, wake,
-                          priority, ckey, climit, timeout, queue_timeout, retries)
-            ), running AS (
-                SELECT job_execution_id AS ex FROM running_jobs
-                WHERE job_execution_id IN (SELECT ex FROM input)
-            ), ended AS (
-                SELECT job_execution_id AS ex FROM ended_executions
-                WHERE job_execution_id IN (SELECT ex FROM input)
-            ), inserted AS (
-                INSERT INTO pending_jobs (workspace_id, workflow_run_id, workflow_run_attempt_id,
-                    job_id, job_execution_id, project_id, required_labels, payload, created_at,
-                    priority, concurrency_key, concurrency_limit,
-                    timeout_seconds, queue_timeout_seconds, expires_at, retries_on_lost)
-                SELECT ws, run, attempt, job, ex, project,
-                       ARRAY(SELECT jsonb_array_elements_text(labels::jsonb)), body::jsonb, queued,
-                       priority, ckey, climit,
-                       timeout, queue_timeout, now() + queue_timeout * interval '1 second', retries
-                FROM input
-                WHERE ex NOT IN (SELECT ex FROM running) AND ex NOT IN (SELECT ex FROM ended)
-                ON CONFLICT (job_execution_id) DO NOTHING
-                RETURNING job_execution_id
-            ), keyed AS (
-                -- The count row of each key (store/ordering.py); an existing one is not locked.
-                INSERT INTO concurrency_keys (workspace_id, concurrency_key)
-                SELECT DISTINCT ws, ckey FROM input WHERE ckey IS NOT NULL
-                ORDER BY 1, 2
-                ON CONFLICT DO NOTHING
-            ), woken AS (
-                SELECT count(pg_notify($11, wake)) AS n
-                FROM (SELECT DISTINCT input.wake FROM inserted
-                      JOIN input ON input.ex = inserted.job_execution_id) AS w
-            )
-            SELECT ARRAY(SELECT job_execution_id FROM inserted) AS inserted,
-                   ARRAY(SELECT ex FROM running) AS running,
-                   ARRAY(SELECT ex FROM ended) AS ended,
-                   (SELECT n FROM woken) AS woken
-            """,
-            [j.identity.workspace_id for j in todo],
-            [j.identity.workflow_run_id for j in todo],
-            [j.identity.workflow_run_attempt_id for j in todo],
-            [j.identity.job_id for j in todo],
-            [j.identity.job_execution_id for j in todo],
-            [j.identity.project_id for j in todo],
-            [json_text(j.required_labels) for j in todo],
-            [json_text(j.payload) for j in todo],
-            [j.queued_at for j in todo],
-            [enqueued_payload(j.identity.workspace_id, j.required_labels) for j in todo],
-            ENQUEUED_CHANNEL,
-            [j.priority for j in todo],
-            [j.concurrency_key for j in todo],
-            [j.concurrency_limit for j in todo],
-            [j.timeout_seconds for j in todo],
-            [j.queue_timeout_seconds for j in todo],
-            [j.retries_on_lost for j in todo],
-        )
+    keys = sorted({locks.execution(execution_id) for execution_id in ids})
+    # One round trip, its own transaction unless the caller is in one: cp_enqueue (sql/0026)
+    # takes the locks, then runs one statement after them (so its snapshot sees whatever the
+    # lock holders committed): find running and ended executions, insert the rest, notify per
+    # distinct (workspace, labels) of what was inserted.
+    row = await conn.fetchrow(
+        "SELECT * FROM cp_enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14,"
+        " $15, $16, $17, $18)",
+        keys,
+        [j.identity.workspace_id for j in todo],
+        [j.identity.workflow_run_id for j in todo],
+        [j.identity.workflow_run_attempt_id for j in todo],
+        [j.identity.job_id for j in todo],
+        [j.identity.job_execution_id for j in todo],
+        [j.identity.project_id for j in todo],
+        [json_text(j.required_labels) for j in todo],
+        [json_text(j.payload) for j in todo],
+        [j.queued_at for j in todo],
+        [enqueued_payload(j.identity.workspace_id, j.required_labels) for j in todo],
+        ENQUEUED_CHANNEL,
+        [j.priority for j in todo],
+        [j.concurrency_key for j in todo],
+        [j.concurrency_limit for j in todo],
+        [j.timeout_seconds for j in todo],
+        [j.queue_timeout_seconds for j in todo],
+        [j.retries_on_lost for j in todo],
+    )
     assert row is not None
-    inserted = set(row["inserted"])
+    inserted = set(row["inserted_ids"])
     # A lease and a tombstone can coexist (cancelled while running): ended wins.
-    state = dict.fromkeys(row["running"], EnqueueResult.RUNNING)
-    state.update(dict.fromkeys(row["ended"], EnqueueResult.ENDED))
+    state = dict.fromkeys(row["running_ids"], EnqueueResult.RUNNING)
+    state.update(dict.fromkeys(row["ended_ids"], EnqueueResult.ENDED))
     results = []
     for index, job in enumerate(jobs):
         execution_id = job.identity.job_execution_id
