@@ -102,33 +102,39 @@ class SweptSession:
 
 
 def _seen(row: str) -> str:
-    """Whether the previous read (`v.prev`, its snapshot) saw the version of `row` read now: its
-    inserting transaction (`xmin`, widened to 64 bits as the latest id up to this statement's
-    horizon with those low 32 bits) had committed for that snapshot. NULL when there was no
-    previous read (then nothing counts as seen)."""
-    xmin = f"{row}.xmin::text::bigint"
-    return (
-        f"pg_visible_in_snapshot(greatest(v.horizon - ((v.horizon - {xmin}) & 4294967295), 0)"
-        "::text::xid8, v.prev)"
-    )
+    """Whether the previous read (`v`: its snapshot's bounds and in-progress list, as 64-bit
+    ids) saw the version of `row` read now: its inserting transaction (`xmin`, widened to 64
+    bits as the latest id up to this statement's horizon with those low 32 bits) had committed
+    for that snapshot, as `pg_visible_in_snapshot` says it. NULL when there was no previous read
+    (then nothing counts as seen). Each use computes it once per row, in a subquery that
+    `OFFSET 0` keeps from being flattened into the counts (which would repeat it per FILTER):
+    the statement then costs about what it did by creation time (bench/notes.md)."""
+    full = f"(v.horizon - ((v.horizon - {row}.xmin::text::bigint) & 4294967295))"
+    return f"({full} < v.xmin OR ({full} < v.xmax AND {full} <> ALL (v.xip)))"
 
 
 _SWEEP = f"""
 WITH s AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[])
            WITH ORDINALITY AS s(provisioner_id, workspace_id, ord)
+), prev AS (
+    SELECT $6::text::pg_snapshot AS snapshot
 ), v AS (
-    SELECT $6::text::pg_snapshot AS prev,
-           pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS horizon
+    SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS horizon,
+           pg_snapshot_xmin(prev.snapshot)::text::bigint AS xmin,
+           pg_snapshot_xmax(prev.snapshot)::text::bigint AS xmax,
+           ARRAY(SELECT x::text::bigint FROM pg_snapshot_xip(prev.snapshot) AS x) AS xip
+      FROM prev
 ), everywhere AS (
     SELECT count(*) AS n, coalesce(sum(r.count), 0) AS units,
-           count(*) FILTER (WHERE {_seen("r")}) AS n_before,
-           coalesce(sum(r.count) FILTER (WHERE {_seen("r")}), 0) AS units_before,
-           count(*) FILTER (WHERE NOT {_seen("r")}) AS n_new,
+           count(*) FILTER (WHERE r.seen) AS n_before,
+           coalesce(sum(r.count) FILTER (WHERE r.seen), 0) AS units_before,
+           count(*) FILTER (WHERE NOT r.seen) AS n_new,
            (SELECT count(*) FROM provisioner_templates pt
              WHERE pt.workspace_id IS NOT NULL AND pt.advertised_at > now() - $5::interval)
                AS covering
-      FROM reservations r CROSS JOIN v WHERE r.expires_at > now()
+      FROM (SELECT r.count, {_seen("r")} AS seen
+              FROM reservations r CROSS JOIN v WHERE r.expires_at > now() OFFSET 0) r
 )
 SELECT s.ord, pg_current_snapshot()::text AS snapshot,
        (SELECT count(*) FROM (
@@ -184,19 +190,19 @@ SELECT s.ord, pg_current_snapshot()::text AS snapshot,
   FROM s CROSS JOIN everywhere g CROSS JOIN v
   CROSS JOIN LATERAL (
        SELECT count(*) AS n, coalesce(sum(r.count), 0) AS units,
-              count(*) FILTER (WHERE {_seen("r")}) AS n_before,
-              coalesce(sum(r.count) FILTER (WHERE {_seen("r")}), 0) AS units_before,
-              count(*) FILTER (WHERE NOT {_seen("r")} AND r.provisioner_id <> s.provisioner_id)
+              count(*) FILTER (WHERE r.seen) AS n_before,
+              coalesce(sum(r.count) FILTER (WHERE r.seen), 0) AS units_before,
+              count(*) FILTER (WHERE NOT r.seen AND r.provisioner_id <> s.provisioner_id)
                   AS others_new
-         FROM reservations r
-        WHERE r.workspace_id = s.workspace_id AND r.expires_at > now()) w
+         FROM (SELECT r.count, r.provisioner_id, {_seen("r")} AS seen FROM reservations r
+                WHERE r.workspace_id = s.workspace_id AND r.expires_at > now() OFFSET 0) r) w
   CROSS JOIN LATERAL (
        SELECT count(*) AS n, coalesce(sum(r.count), 0) AS units,
-              count(*) FILTER (WHERE {_seen("r")}) AS n_before,
-              coalesce(sum(r.count) FILTER (WHERE {_seen("r")}), 0) AS units_before,
-              count(*) FILTER (WHERE NOT {_seen("r")}) AS n_new
-         FROM reservations r
-        WHERE r.provisioner_id = s.provisioner_id AND r.expires_at > now()) o
+              count(*) FILTER (WHERE r.seen) AS n_before,
+              coalesce(sum(r.count) FILTER (WHERE r.seen), 0) AS units_before,
+              count(*) FILTER (WHERE NOT r.seen) AS n_new
+         FROM (SELECT r.count, {_seen("r")} AS seen FROM reservations r
+                WHERE r.provisioner_id = s.provisioner_id AND r.expires_at > now() OFFSET 0) r) o
  ORDER BY s.ord
 """  # noqa: S608 -- interpolates constants only: ACTIVE_SQL, _seen
 
