@@ -38,8 +38,10 @@ def _profiles(found: dict[str, Any], window: str) -> list[str]:
     """`_profile` of each replica's record through `window` (a profiled run's figures include
     py-spy's own CPU)."""
     lines: list[str] = []
+    run = found.get("profiles_run")  # set when the profiles come from another run than the figures
+    where = f"of a second run with py-spy attached ({run})" if run else "of this run"
     for index, profile in enumerate(found.get("profiles") or [], 1):
-        lines += _profile(profile, f"replica {index} through {window}")
+        lines += _profile(profile, f"replica {index} through {window} {where}")
     return [*lines, ""] if lines else []
 
 
