@@ -25,31 +25,16 @@ move its figures at the next tick and wake it for a round with nothing to do (on
 and per granting round, for every busy session), though its own round made the one and the
 enqueue's notification already woke it for the other. So the pending jobs and the live
 reservations are counted twice over (`Figures.counted`, what the next tick compares with, and
-`counted_before`, the same over the rows the previous read saw, which is compared with the
-previous tick's `counted`: it differs when a row there then is gone or smaller: a claim, an
-expiry, a release, a cancel), beside the count of live reservations of another provisioner the
-previous read did not see (`others_new`, which must be 0). Whether the previous read saw a row
-is a question of transaction visibility, not of time: each read returns its snapshot
-(`pg_current_snapshot()`), the next passes it back, and a row counts as seen when its version's
-inserting transaction (`xmin`) is visible in that snapshot (`pg_visible_in_snapshot`). A row
-created before a read by a transaction that committed after it was not seen by it: it moves
-nothing, as a row created after it. (It was once compared by creation time: such a row, a grant
-of the session's own round or an enqueue in flight at the read, woke the session for a round
-with nothing to do, and that round held the next enqueue's grant.) A version written by an
-UPDATE is a new one: a reservation whose units were released moves the figures, as it should.
-A reservation this provisioner created unseen moves nothing: only its own rounds create them,
-and those read everything they act on; a claim that uses a unit of it removes a pending job
-the read saw, or one the enqueue notified. A pending job put back under its old id (an
-undelivered claim) moves nothing either: the put-back NOTIFYs as an enqueue does; a retry on a
-lost runner (the reaper's, `attempt` > 1) does not notify, so a retried row counts as seen, and
-the sweep wakes the session for it.
-
-Failure cases, each a wake too many, never too few: a row whose `xmin` is more than 2^32
-transactions old (frozen) may be widened to a wrong epoch and count as unseen; a row inserted
-by a subtransaction of a transaction in progress at the previous read counts as seen (a
-`pg_snapshot` lists top-level transactions only), so it moves the figures unless a row seen
-then is gone in the same figure, which its commit's own notification or round covers as
-before. With no previous read (`since` None) nothing counts as seen.
+`counted_before`, the same over the rows created by the previous read's time, which is compared
+with the previous tick's `counted`: it differs when a row there then is gone or smaller: a claim,
+an expiry, a release, a cancel), beside the count of live reservations another provisioner
+created since (`others_new`, which must be 0). A pending row's creation time is its id's
+(uuidv7, written by the enqueue's INSERT): a put-back or a retry keeps its old id, so it moves
+the figures (and notifies too). A reservation this provisioner created since the previous read
+moves nothing: only its own rounds create them, and those read everything they act on; a claim
+that uses a unit of it removes a pending job of before the read, or one the enqueue notified.
+A row committed after the previous read by a transaction that began before it counts as created
+before it, so it moves the figures (a wake too many, not too few).
 
 The sweep's slow full round asks a second question, every half of
 `provisioners.demand_full_round_seconds` and again in one statement for the replica's quiet
@@ -57,15 +42,14 @@ sessions (`full_round_due`): which sessions a round could find anything for at a
 safety round runs for those and an idle session's costs nothing.
 
 Locks: none. Each is one read-only statement for all the replica's sessions (a transaction of
-its own, as every statement is); it holds nothing any other transaction waits for, and takes no
-transaction id (`pg_current_snapshot()` reads the statement's snapshot; nothing assigns one).
+its own, as every statement is); it holds nothing any other transaction waits for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from uuid import UUID
 
 from controlplane.store.pool import Conn
@@ -79,16 +63,16 @@ class Figures:
     fixed: tuple[object, ...]  # compared as they are: keys, runners, timeouts, eligibility
     # Pending jobs (capped) and live reservations (workspace, own, installation-wide).
     counted: tuple[object, ...]
-    counted_before: tuple[object, ...]  # the same over rows the previous read saw
-    others_new: int  # live reservations of another provisioner the previous read did not see
+    counted_before: tuple[object, ...]  # the same over rows created by the previous read
+    others_new: int  # live reservations another provisioner created since the previous read
 
 
 @dataclass(frozen=True, slots=True)
 class Read:
-    """One sweep statement's result: the snapshot it read with (`pg_snapshot` as text, the next
-    read's `since`) and each session's figures."""
+    """One sweep statement's result: its database time (the next read's `since`) and each
+    session's figures."""
 
-    snapshot: str | None
+    at: datetime | None
     figures: list[Figures]
 
 
@@ -101,42 +85,21 @@ class SweptSession:
     workspace_id: UUID | None
 
 
-def _seen(row: str) -> str:
-    """Whether the previous read (`v`: its snapshot's bounds and in-progress list, as 64-bit
-    ids) saw the version of `row` read now: its inserting transaction (`xmin`, widened to 64
-    bits as the latest id up to this statement's horizon with those low 32 bits) had committed
-    for that snapshot, as `pg_visible_in_snapshot` says it. NULL when there was no previous read
-    (then nothing counts as seen). Each use computes it once per row, in a subquery that
-    `OFFSET 0` keeps from being flattened into the counts (which would repeat it per FILTER):
-    the statement then costs about what it did by creation time (bench/notes.md)."""
-    full = f"(v.horizon - ((v.horizon - {row}.xmin::text::bigint) & 4294967295))"
-    return f"({full} < v.xmin OR ({full} < v.xmax AND {full} <> ALL (v.xip)))"
-
-
 _SWEEP = f"""
 WITH s AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[])
            WITH ORDINALITY AS s(provisioner_id, workspace_id, ord)
-), prev AS (
-    SELECT $6::text::pg_snapshot AS snapshot
-), v AS (
-    SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS horizon,
-           pg_snapshot_xmin(prev.snapshot)::text::bigint AS xmin,
-           pg_snapshot_xmax(prev.snapshot)::text::bigint AS xmax,
-           ARRAY(SELECT x::text::bigint FROM pg_snapshot_xip(prev.snapshot) AS x) AS xip
-      FROM prev
 ), everywhere AS (
-    SELECT count(*) AS n, coalesce(sum(r.count), 0) AS units,
-           count(*) FILTER (WHERE r.seen) AS n_before,
-           coalesce(sum(r.count) FILTER (WHERE r.seen), 0) AS units_before,
-           count(*) FILTER (WHERE NOT r.seen) AS n_new,
+    SELECT count(*) AS n, coalesce(sum(count), 0) AS units,
+           count(*) FILTER (WHERE created_at <= $6) AS n_before,
+           coalesce(sum(count) FILTER (WHERE created_at <= $6), 0) AS units_before,
+           count(*) FILTER (WHERE created_at > $6) AS n_new,
            (SELECT count(*) FROM provisioner_templates pt
              WHERE pt.workspace_id IS NOT NULL AND pt.advertised_at > now() - $5::interval)
                AS covering
-      FROM (SELECT r.count, {_seen("r")} AS seen
-              FROM reservations r CROSS JOIN v WHERE r.expires_at > now() OFFSET 0) r
+      FROM reservations WHERE expires_at > now()
 )
-SELECT s.ord, pg_current_snapshot()::text AS snapshot,
+SELECT s.ord, now() AS read_at,
        (SELECT count(*) FROM (
             SELECT 1 FROM pending_jobs p
              WHERE p.workspace_id = s.workspace_id
@@ -148,7 +111,7 @@ SELECT s.ord, pg_current_snapshot()::text AS snapshot,
             SELECT 1 FROM pending_jobs p
              WHERE p.workspace_id = s.workspace_id
                AND (p.expires_at IS NULL OR p.expires_at > now())
-               AND ({_seen("p")} OR p.attempt > 1)
+               AND uuid_extract_timestamp(p.id) <= $6
                AND NOT EXISTS (SELECT 1 FROM paused_workspaces pw
                                 WHERE pw.workspace_id = s.workspace_id)
              LIMIT $4) AS capped) AS pending_before,
@@ -187,37 +150,37 @@ SELECT s.ord, pg_current_snapshot()::text AS snapshot,
        CASE WHEN s.workspace_id IS NULL THEN g.units_before END AS everywhere_units_before,
        CASE WHEN s.workspace_id IS NULL THEN g.n_new - o.n_new ELSE 0 END
            AS everywhere_others_new
-  FROM s CROSS JOIN everywhere g CROSS JOIN v
+  FROM s CROSS JOIN everywhere g
   CROSS JOIN LATERAL (
        SELECT count(*) AS n, coalesce(sum(r.count), 0) AS units,
-              count(*) FILTER (WHERE r.seen) AS n_before,
-              coalesce(sum(r.count) FILTER (WHERE r.seen), 0) AS units_before,
-              count(*) FILTER (WHERE NOT r.seen AND r.provisioner_id <> s.provisioner_id)
+              count(*) FILTER (WHERE r.created_at <= $6) AS n_before,
+              coalesce(sum(r.count) FILTER (WHERE r.created_at <= $6), 0) AS units_before,
+              count(*) FILTER (WHERE r.created_at > $6 AND r.provisioner_id <> s.provisioner_id)
                   AS others_new
-         FROM (SELECT r.count, r.provisioner_id, {_seen("r")} AS seen FROM reservations r
-                WHERE r.workspace_id = s.workspace_id AND r.expires_at > now() OFFSET 0) r) w
+         FROM reservations r
+        WHERE r.workspace_id = s.workspace_id AND r.expires_at > now()) w
   CROSS JOIN LATERAL (
        SELECT count(*) AS n, coalesce(sum(r.count), 0) AS units,
-              count(*) FILTER (WHERE r.seen) AS n_before,
-              coalesce(sum(r.count) FILTER (WHERE r.seen), 0) AS units_before,
-              count(*) FILTER (WHERE NOT r.seen) AS n_new
-         FROM (SELECT r.count, {_seen("r")} AS seen FROM reservations r
-                WHERE r.provisioner_id = s.provisioner_id AND r.expires_at > now() OFFSET 0) r) o
+              count(*) FILTER (WHERE r.created_at <= $6) AS n_before,
+              coalesce(sum(r.count) FILTER (WHERE r.created_at <= $6), 0) AS units_before,
+              count(*) FILTER (WHERE r.created_at > $6) AS n_new
+         FROM reservations r
+        WHERE r.provisioner_id = s.provisioner_id AND r.expires_at > now()) o
  ORDER BY s.ord
-"""  # noqa: S608 -- interpolates constants only: ACTIVE_SQL, _seen
+"""  # noqa: S608 -- interpolates constants only: ACTIVE_SQL
 
 
 async def sweep_figures(
     conn: Conn,
     sessions: Sequence[SweptSession],
     *,
-    since: str | None,
+    since: datetime | None,
     activation_timeout: timedelta,
     covering_window: timedelta,
     pending_cap: int,
 ) -> Read:
     """Each session's figures, in the order given (one statement); `since` is the previous
-    read's `Read.snapshot` (None: no previous read, so nothing counts as seen by it). Pending
+    read's `Read.at` (None: no previous read, so nothing counts as created before it). Pending
     jobs are counted up to `pending_cap` (`provisioners.demand_sweep_pending_cap`): past it a
     change in their number shows only through its other figures, an enqueue's notification or
     the slow full round. `covering_window` is `provisioners.active_window_seconds` (the
@@ -263,7 +226,7 @@ async def sweep_figures(
         )
         for r in rows
     ]
-    return Read(rows[0]["snapshot"], figures)
+    return Read(rows[0]["read_at"], figures)
 
 
 # The full-round check (actors/provisioning/sweep.py): which sessions a round could find

@@ -11,6 +11,7 @@ import itertools
 import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -80,10 +81,10 @@ class FixedFigures:
         self.asked.append({s.provisioner_id for s in sessions})
         return [s.provisioner_id in self.due for s in sessions]
 
-    async def figures(self, sessions: Sequence[SweptSession], since: str | None) -> Read:
+    async def figures(self, sessions: Sequence[SweptSession], since: datetime | None) -> Read:
         self.statements += 1
         return Read(
-            None,
+            NOW,
             [Figures((self.figures_of.get(s.provisioner_id, 0),), (), (), 0) for s in sessions],
         )
 

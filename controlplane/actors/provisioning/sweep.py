@@ -10,19 +10,17 @@ deadline passing) is caught here: every `provisioners.demand_safety_tick_seconds
 whose figures moved since the previous tick are woken; the others cost nothing. A session seen
 for the first time is woken once (its figures may have moved since its first round).
 
-A session's own grants and new pending jobs move nothing (store/demand_sweep.py counts apart the
-rows the previous read did not see, by its snapshot, however early their transactions began; the
-enqueue's notification and the session's own round already saw those): until then every enqueue
-and every granting round cost the actor a second, idle round at the next tick (and, while the
-rows were told apart by creation time, one begun before a read and committed after it still
-did), and after a busy tick all those rounds started at the same instant, queued together for
-the replica's pool and the database, and an enqueue's round that arrived then waited behind them
-(the demand bench's enqueue -> grant p99 at 10 and 100 provisioners). What still moves many
-sessions at once (a burst of claims, an advertisement ageing out) wakes them one after another,
-spread evenly over the first half of the tick (`SPREAD`). And an actor that began a round after
-the sweep's read returned is not woken at all: that round read everything the sweep saw (a busy
-actor is woken by its enqueues). So a change the sweep catches reaches its actor at most one and
-a half ticks after it is made.
+A session's own grants and new pending jobs move nothing (store/demand_sweep.py counts the
+rows created since the previous read apart; the enqueue's notification and the session's own
+round already saw those): until then every enqueue and every granting round cost the actor a
+second, idle round at the next tick, and after a busy tick all those rounds started at the same
+instant, queued together for the replica's pool and the database, and an enqueue's round that
+arrived then waited behind them (the demand bench's enqueue -> grant p99 at 10 and 100
+provisioners). What still moves many sessions at once (a burst of claims, an advertisement
+ageing out) wakes them one after another, spread evenly over the first half of the tick
+(`SPREAD`). And an actor that began a round after the sweep's read returned is not woken at all:
+that round read everything the sweep saw (a busy actor is woken by its enqueues). So a change
+the sweep catches reaches its actor at most one and a half ticks after it is made.
 
 The slow full round is the replica's too (the safety net under every wake-up above: a lost
 notification, a new pending job past `provisioners.demand_sweep_pending_cap`, an installation
@@ -49,7 +47,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Protocol
 
 import anyio
@@ -69,9 +67,9 @@ SPREAD = 0.5  # the share of a tick over which the moved actors are woken
 
 
 class SweepStore(Protocol):
-    async def figures(self, sessions: Sequence[SweptSession], since: str | None) -> Read:
+    async def figures(self, sessions: Sequence[SweptSession], since: datetime | None) -> Read:
         """Each session's figures, in the order given, read by one statement; `since` is the
-        previous read's snapshot (store/demand_sweep.py)."""
+        previous read's time (store/demand_sweep.py)."""
         ...
 
     async def full_round_due(self, sessions: Sequence[SweptSession]) -> list[bool]:
@@ -107,7 +105,7 @@ class DemandSweep:
         self._tick = tick_seconds
         self._full_every = full_round_seconds
         self._seen: dict[ProvisionerActor, Figures] = {}
-        self._since: str | None = None  # the previous read's snapshot
+        self._since: datetime | None = None  # the previous read's database time
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -154,7 +152,7 @@ class DemandSweep:
             if has_moved(figures, self._seen.get(actor))
         ]
         self._seen = dict(zip(actors, read.figures, strict=True))
-        self._since = read.snapshot
+        self._since = read.at
         metrics.demand_sweeps.labels("ok").inc()
         return found
 
@@ -206,7 +204,7 @@ class PoolSweep:
     pending_cap: int
 
     async def figures(
-        self, sessions: Sequence[demand_sweep.SweptSession], since: str | None
+        self, sessions: Sequence[demand_sweep.SweptSession], since: datetime | None
     ) -> demand_sweep.Read:
         async with borrow(self.pool) as conn:
             return await demand_sweep.sweep_figures(
