@@ -133,3 +133,9 @@ async def wait_until_blocked(observer: asyncpg.Connection, pid: int) -> None:
             if waiting:
                 return
             await anyio.sleep(0.005)
+
+
+def plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every node of an EXPLAIN (FORMAT JSON) plan, `node` first, then its children's, depth
+    first."""
+    return [node, *(n for child in node.get("Plans", []) for n in plan_nodes(child))]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
 from uuid import UUID
 
 import pytest
@@ -15,7 +14,7 @@ from controlplane.domain.pauses import Operator, PauseKind
 from controlplane.store import claiming, locks, pauses
 from controlplane.store.pool import Conn
 from controlplane.store.records import json_value
-from tests.factories import holding_lock, manual_session, minutes_ago, new_job
+from tests.factories import holding_lock, manual_session, minutes_ago, new_job, plan_nodes
 from tests.store.test_claim import (
     claimed_events,
     enqueue,
@@ -158,7 +157,7 @@ async def test_the_sessions_are_checked_for_pauses_in_one_read_when_none_is_paus
         ids,
     )
 
-    ran = [n for n in _nodes(json.loads(plan)[0]["Plan"]) if n["Actual Loops"] > 0]
+    ran = [n for n in plan_nodes(json.loads(plan)[0]["Plan"]) if n["Actual Loops"] > 0]
     assert sum(n["Actual Loops"] for n in ran if n.get("Relation Name") == "paused_runners") == 1
     assert [n for n in ran if n["Node Type"] == "Function Scan"] == []  # no unnest of the sessions
     leased = await conn.fetch(
@@ -192,7 +191,3 @@ async def test_paused_sessions_anywhere_in_the_batch_are_left_out_and_the_rest_s
     # Every session paused: nothing is taken.
     assert await claiming.claim_batch(conn, workspace, runners[0].labels, [ids[0], ids[4]]) == {}
     assert await pending_ids(conn, workspace) == [jobs[2].identity.job_execution_id]
-
-
-def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
-    return [node, *(n for child in node.get("Plans", []) for n in _nodes(child))]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -17,7 +16,7 @@ from controlplane.domain.jobs import NewJob, Outcome, SessionClaims, StaleRule
 from controlplane.store import claiming, demand_inputs, leases, locks, ordering, queue
 from controlplane.store.ordering import Ordering
 from controlplane.store.pool import Conn
-from tests.factories import holding_lock, manual_session, minutes_ago, new_job
+from tests.factories import holding_lock, manual_session, minutes_ago, new_job, plan_nodes
 from tests.store.test_claim import claim_ok, enqueue, make_stale, pending_ids
 
 
@@ -401,7 +400,7 @@ async def test_q36_with_every_policy_off_the_claim_sorts_nothing_and_reads_each_
     plan = await conn.fetchval(
         "EXPLAIN (ANALYZE, FORMAT JSON) " + claiming._CLAIM[False], *claim_args(runner)
     )
-    nodes = list(_walk(json.loads(plan)[0]["Plan"]))
+    nodes = plan_nodes(json.loads(plan)[0]["Plan"])
     assert not [n["Node Type"] for n in nodes if n["Node Type"] in ("Sort", "WindowAgg", "Hash")]
     reads = [n["Relation Name"] for n in nodes if n["Actual Loops"] > 0 and "Relation Name" in n]
     assert reads.count("workspace_settings") == 1
@@ -424,7 +423,7 @@ async def claim_reads(
     )
     return [
         n
-        for n in _walk(json.loads(plan)[0]["Plan"])
+        for n in plan_nodes(json.loads(plan)[0]["Plan"])
         if n.get("Relation Name") == "pending_jobs" and n["Node Type"] != "ModifyTable"
     ]
 
@@ -442,12 +441,6 @@ def claim_args(runner: SessionClaims) -> tuple[object, ...]:
         timedelta(seconds=10),
         False,
     )
-
-
-def _walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield node
-    for child in node.get("Plans", []):
-        yield from _walk(child)
 
 
 async def test_q37_put_back_restores_key_and_limit(conn: Conn, workspace: UUID) -> None:

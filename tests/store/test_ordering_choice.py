@@ -16,7 +16,7 @@ from controlplane.domain.jobs import NewJob, SessionClaims
 from controlplane.store import claiming, ordering
 from controlplane.store.ordering import KnownOrderings, Ordering
 from controlplane.store.pool import Conn
-from tests.factories import capped_session, manual_session, minutes_ago, new_job
+from tests.factories import capped_session, manual_session, minutes_ago, new_job, plan_nodes
 from tests.store.test_claim import enqueue, pending_ids
 from tests.store.test_ordering import claim_args
 
@@ -36,13 +36,9 @@ def ex(job: NewJob) -> UUID:
     return job.identity.job_execution_id
 
 
-def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
-    return [node, *(n for child in node.get("Plans", []) for n in _nodes(child))]
-
-
 async def _plan(conn: Conn, statement: str, runner: SessionClaims) -> list[dict[str, Any]]:
     plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + statement, *claim_args(runner))
-    return _nodes(json.loads(plan)[0]["Plan"])
+    return plan_nodes(json.loads(plan)[0]["Plan"])
 
 
 async def test_q27_the_plain_claim_statement_carries_nothing_of_the_fair_pick(
@@ -63,7 +59,7 @@ async def test_q27_the_plain_claim_statement_carries_nothing_of_the_fair_pick(
             [],
             [runner.runner_session_id],
         )
-        assert bool(_fair_reads(_nodes(json.loads(plan)[0]["Plan"]))) is fair
+        assert bool(_fair_reads(plan_nodes(json.loads(plan)[0]["Plan"]))) is fair
 
 
 async def test_q27_the_plain_claim_keeps_a_generic_plan(conn: Conn, workspace: UUID) -> None:
@@ -226,9 +222,11 @@ async def _generic_candidate_reads(conn: Conn, statement: str, args: str) -> lis
     finally:
         await conn.execute("RESET plan_cache_mode")
     pick = next(
-        n for n in _nodes(json.loads(plan)[0]["Plan"]) if n.get("Subplan Name") == "CTE candidate"
+        n
+        for n in plan_nodes(json.loads(plan)[0]["Plan"])
+        if n.get("Subplan Name") == "CTE candidate"
     )
-    return _nodes(pick)
+    return plan_nodes(pick)
 
 
 @pytest.mark.parametrize(
