@@ -44,9 +44,15 @@ def enqueued_payload(workspace_id: UUID, labels: LabelSet) -> str:
     return f"{workspace_id}|{','.join(labels)}"
 
 
+def execution_keys(execution_ids: Sequence[UUID]) -> list[int]:
+    """The advisory keys of `execution_ids`' execution locks, each once, in ascending order: the
+    order every transaction takes several of them in."""
+    return sorted({locks.execution(execution_id) for execution_id in execution_ids})
+
+
 async def lock_executions(conn: Conn, execution_ids: Sequence[UUID]) -> None:
     """Take the execution locks of `execution_ids`, blocking, in ascending key order."""
-    keys = sorted({locks.execution(execution_id) for execution_id in execution_ids})
+    keys = execution_keys(execution_ids)
     if len(keys) == 1:
         await conn.execute("SELECT pg_advisory_xact_lock($1)", keys[0])
     elif keys:
@@ -75,7 +81,7 @@ async def enqueue(conn: Conn, jobs: Sequence[NewJob]) -> list[EnqueueResult]:
         first.setdefault(job.identity.job_execution_id, index)
     ids = list(first)
     todo = [jobs[first[i]] for i in ids]
-    keys = sorted({locks.execution(execution_id) for execution_id in ids})
+    keys = execution_keys(ids)
     # One round trip, its own transaction unless the caller is in one: cp_enqueue (sql/0026)
     # takes the locks, then runs one statement after them (so its snapshot sees whatever the
     # lock holders committed): find running and ended executions, insert the rest, notify per
