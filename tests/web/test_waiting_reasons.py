@@ -180,19 +180,29 @@ async def test_q87_a_job_past_its_queue_deadline_says_so_until_the_leader_remove
     await _register(api, ["linux"])
     assert "queue-expired" not in _codes(await _waiting(api, job))
     execution = uuid.UUID(job["job_execution_id"])
-    async with asyncpg_connection(api) as db, asyncpg_connection(api) as holder:
+    # The leader's expiry locks pending rows FOR UPDATE SKIP LOCKED (store/deadlines.py). The
+    # holder takes FOR KEY SHARE before the deadline moves: that lock lets the UPDATE of the
+    # non-key expires_at through but makes the expiry skip the row, so the job stays pending
+    # for both reads however soon the leader's next round comes.
+    async with (
+        asyncpg_connection(api) as db,
+        asyncpg_connection(api) as holder,
+        holder.transaction(),
+    ):
+        await holder.execute(
+            "SELECT 1 FROM pending_jobs WHERE job_execution_id = $1 FOR KEY SHARE", execution
+        )
         await db.execute(  # the deadline passes (no sleep standing in)
             "UPDATE pending_jobs SET expires_at = now() - interval '1 second'"
             " WHERE job_execution_id = $1",
             execution,
         )
-        # The leader's expiry skips a locked pending row (store/deadlines.py): holding it keeps
-        # the job pending for both reads, however soon the leader's next round comes.
-        async with holder.transaction():
-            await holder.execute(
-                "SELECT 1 FROM pending_jobs WHERE job_execution_id = $1 FOR UPDATE", execution
-            )
-            assert _codes(await _waiting(api, job))[0] == "queue-expired"
+        assert _codes(await _waiting(api, job))[0] == "queue-expired"
+        skipped = await db.fetch(  # the expiry's row lock, as it takes it, finds nothing
+            "SELECT 1 FROM pending_jobs WHERE job_execution_id = $1 FOR UPDATE SKIP LOCKED",
+            execution,
+        )
+        assert skipped == []
 
 
 async def test_q88_both_reads_agree_and_the_cli_prints_the_position_and_reasons(
