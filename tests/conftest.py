@@ -2,11 +2,15 @@
 
 The server is the embedded one (started in a temporary folder for the run) unless
 CONTROLPLANE_TEST_DATABASE_URL names a server to use instead; that URL must allow CREATE DATABASE.
+The folder is on /dev/shm when the machine has one we can write: every test clones the template,
+and on a virtual disk a clone took 70 to 300 ms against 12 ms in memory. The run's server is not
+durable anyway (fsync off).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import tempfile
 import uuid
@@ -15,12 +19,27 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+import httpx
 import pytest
 
 from controlplane.store import migrations
 from controlplane.store.embedded import EmbeddedPostgres
 
 TEMPLATE = "cp_test_template"
+
+# httpx builds a new SSL context for every client, parsing the CA bundle each time (about 60 ms a
+# client here), though every test speaks plain HTTP to a local daemon: the run's clients share one.
+_SHARED_SSL = httpx.create_ssl_context()
+httpx.AsyncClient.__init__ = functools.partialmethod(  # type: ignore[method-assign,assignment]
+    httpx.AsyncClient.__init__, verify=_SHARED_SSL
+)
+
+
+def _memory_folder() -> str | None:
+    """The memory-backed folder when it is one we can write, else None (the system's default)."""
+    # S108: only the parent of a mkdtemp folder (a fresh name, mode 0700), never a fixed path.
+    shm = Path("/dev/shm")  # noqa: S108
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else None
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +58,7 @@ def _session_server() -> Iterator[EmbeddedPostgres | None]:
     if os.environ.get("CONTROLPLANE_TEST_DATABASE_URL"):
         yield None
         return
-    with tempfile.TemporaryDirectory(prefix="cp-test-pg-") as folder:
+    with tempfile.TemporaryDirectory(prefix="cp-test-pg-", dir=_memory_folder()) as folder:
         server = EmbeddedPostgres(Path(folder) / "data", durable=False, max_connections=400)
         server.start()
         try:
