@@ -433,7 +433,7 @@ class Daemon:
             log.info("shutdown.requested")
             dispatcher.close()
             replica.close()
-            server.should_exit = True
+            server.exit()
 
         async def stop_on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
