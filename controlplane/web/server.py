@@ -451,9 +451,9 @@ class Server(uvicorn.Server):
         yield
 
     async def main_loop(self) -> None:
-        ticks = 0
-        while not await self.on_tick(ticks):  # on_tick refreshes the Date header at ticks % 10 == 0
-            ticks = (ticks + 10) % 864_000
+        # uvicorn's on_tick refreshes the Date header when its counter is a multiple of 10: here
+        # every call is a second apart (or the exit), so each one passes 0.
+        while not await self.on_tick(0):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1.0):
                     await self._exiting.wait()
