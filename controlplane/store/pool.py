@@ -108,6 +108,26 @@ async def _no_session_state(_conn: asyncpg.Connection) -> None:
     """
 
 
+class PooledConnection(asyncpg.Connection):
+    """A pool's connection. A transaction still open at its release is rolled back here and
+    logged at info, instead of asyncpg's "Resetting connection with an active transaction"
+    through the event loop's exception handler (printed as an error). That happens when a task is
+    cancelled inside `async with conn.transaction()`, a daemon's stop above all: the cancellation
+    also cuts short the ROLLBACK on the way out. asyncpg would roll back all the same; nothing
+    was ever lost, the message only alarmed. A transaction left open by mistake is logged too.
+
+    `_reset` is asyncpg's release step before the pool's `reset` hook (`_no_session_state`);
+    pyproject bounds asyncpg to the releases whose internals we read (tests/store/test_pool.py
+    fails if this one moves)."""
+
+    async def _reset(self) -> None:
+        if self.is_in_transaction():
+            log.info("pool.rolled_back_on_release")
+            self._top_xact = None
+            await self.execute("ROLLBACK")
+        await super()._reset()
+
+
 def _drop(conn: PoolConnectionProxy) -> None:
     """Terminate a borrowed connection that failed under its user. One that closed by itself
     is already detached from its proxy (asyncpg released it), and there is nothing to drop."""
@@ -249,7 +269,7 @@ async def create_pool(settings: PoolSettings) -> Pool:
         max_queries=50_000,
         max_inactive_connection_lifetime=300.0,
         loop=None,
-        connection_class=asyncpg.Connection,
+        connection_class=PooledConnection,
         record_class=asyncpg.Record,
         reset=_no_session_state,
         **_connect_options(settings, command_timeout=False),
