@@ -3,11 +3,13 @@
 Two sides on one PostgreSQL, each on a database of its own which its first replica migrates with
 its own migrations: `before` runs the baseline tree (harness.baseline_tree: BENCH_BASELINE_REF,
 default 1089cdd, the tree issue 13 started from; or the checkout BENCH_BASELINE_TREE names),
-`after` this checkout. A side is two replicas of its tree and one measuring process
-(bench/compare_side.py) that runs its tree's own bench functions, so all that a side runs is its
-tree's code: the daemon, and the store calls that enqueue jobs, make tokens and provisioners and
-run the SQL lifecycle. Before measuring, every replica and both measuring processes name the
-`controlplane` they imported; the run stops unless each lies in its side's tree.
+`after` this checkout (or the tree BENCH_AFTER_REF or BENCH_AFTER_TREE names, the same way: to
+measure one commit against another, such as the refactor's last commit against its first). A
+side is two replicas of its tree and one measuring process (bench/compare_side.py) that runs its
+tree's own bench functions, so all that a side runs is its tree's code: the daemon, and the store
+calls that enqueue jobs, make tokens and provisioners and run the SQL lifecycle. Before
+measuring, every replica and both measuring processes name the `controlplane` they imported; the
+run stops unless each lies in its side's tree.
 
 Each round takes every measurement through one side and then the other, the order alternating
 round by round (harness.alternated):
@@ -21,8 +23,11 @@ round by round (harness.alternated):
 
 Each figure is reported as the median of its rounds on each side, the ratio of those medians,
 and the median of the rounds' own ratios, on which the verdict rests: a figure is worse by more
-than 5% when that ratio is under 0.95 (jobs/s) or over 1.05 (ms, CPU). The result goes to
-bench/results/compare.json; bench/report.py renders it.
+than 5% when that ratio is under 0.95 (jobs/s) or over 1.05 (ms, CPU). Beside the figures, and
+outside the verdict, each latency run records its CPU per sample: of the side's replicas, of the
+database server (all its processes) and of the side's measuring process (`costs`). CPU moves far
+less than a latency on a loaded machine, so these say where a latency's change comes from. The
+result goes to bench/results/compare.json; bench/report.py renders it.
 
 Sizes come from the environment; the defaults make the full run (bench/notes.md says how long
 it takes): BENCH_COMPARE_ROUNDS (6), BENCH_COMPARE_JOBS (3000 jobs per throughput run),
@@ -39,7 +44,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,25 +166,53 @@ class Track:
         }
 
 
-def record(
-    tracks: dict[str, Track], measured: Measurement, side: str, value: Any, cpu_s: float
-) -> str:
-    """Add one side's run to its figures' tracks; a line saying what it measured."""
+@dataclass(frozen=True)
+class Spent:
+    """CPU seconds used during one measurement: by the replicas it used, by the database server
+    (None when it is not a local process), by the side's measuring process (its runners, or its
+    provisioners' clients, and its enqueues)."""
 
-    def add(unit: str, higher_is_better: bool, digits: int, figure: float) -> str:
+    replicas: float
+    database: float | None
+    measurer: float
+
+
+def record(
+    tracks: dict[str, Track],
+    costs: dict[str, Track],
+    measured: Measurement,
+    side: str,
+    value: Any,
+    spent: Spent,
+) -> str:
+    """Add one side's run to its figures' tracks, and for a latency its CPU per sample to the
+    diagnostic `costs`; a line saying what it measured."""
+
+    def add(
+        into: dict[str, Track], unit: str, higher_is_better: bool, digits: int, figure: float
+    ) -> str:
         key = f"{measured.benchmark}: {measured.title}: {unit}"
-        if key not in tracks:
-            tracks[key] = Track(measured.benchmark, measured.title, unit, higher_is_better, digits)
-        tracks[key].values.add(side, figure)
+        if key not in into:
+            into[key] = Track(measured.benchmark, measured.title, unit, higher_is_better, digits)
+        into[key].values.add(side, figure)
         return f"{figure:.{digits}f} {unit}"
 
     if isinstance(value, list):  # latencies in seconds
         summary = harness.summary_ms(value)
-        said = [add(f"{q} ms", False, 3, summary[f"{q}_ms"]) for q in ("p50", "p99")]
+        said = [add(tracks, f"{q} ms", False, 3, summary[f"{q}_ms"]) for q in ("p50", "p99")]
+        # Not figures of the verdict: what each sample cost, which a loaded machine moves far
+        # less than it moves a latency, to tell where a latency's change comes from.
+        per_sample = {"replicas": spent.replicas, "database": spent.database}
+        per_sample["measuring process"] = spent.measurer
+        for who, seconds in per_sample.items():
+            if seconds is not None:
+                unit = f"{who} CPU us/sample"
+                said.append(add(costs, unit, False, 1, seconds / len(value) * 1e6))
     else:
-        said = [add("jobs/s", True, 1, value)]
+        said = [add(tracks, "jobs/s", True, 1, value)]
         if measured.replicas:
-            said.append(add("replica CPU us/job", False, 1, cpu_s / measured.amount * 1e6))
+            per_job = spent.replicas / measured.amount * 1e6
+            said.append(add(tracks, "replica CPU us/job", False, 1, per_job))
     return f"{measured.benchmark}, {measured.title}: {side} {', '.join(said)}"
 
 
@@ -193,9 +226,8 @@ class Side:
     answers: BufferedByteReceiveStream
     code: dict[str, Any]
 
-    async def measure(self, measured: Measurement) -> tuple[Any, float]:
-        """What the side's measuring process answered, and the CPU seconds the replicas used
-        spent meanwhile."""
+    async def measure(self, measured: Measurement) -> tuple[Any, Spent]:
+        """What the side's measuring process answered, and the CPU it cost."""
         used = self.replicas[: measured.replicas]
         request = {
             "measure": measured.measure,
@@ -204,15 +236,28 @@ class Side:
             "size": measured.size,
             "amount": measured.amount,
         }
-        spent = sum(harness.cpu_seconds(replica.process.pid) for replica in used)
+        spent = self.spent(used)
         assert self.process.stdin is not None
         await self.process.stdin.send(json.dumps(request).encode() + b"\n")
         with anyio.fail_after(ANSWER_DEADLINE):
             answer = json.loads(await self.answers.receive_until(b"\n", 1 << 24))
         if "error" in answer:
             raise RuntimeError(f"{self.name} side, {measured.title}:\n{answer['error']}")
-        spent = sum(harness.cpu_seconds(replica.process.pid) for replica in used) - spent
-        return answer["value"], spent
+        now = self.spent(used)
+        database = None
+        if now.database is not None and spent.database is not None:
+            database = now.database - spent.database
+        return answer["value"], Spent(
+            now.replicas - spent.replicas, database, now.measurer - spent.measurer
+        )
+
+    def spent(self, used: list[harness.Replica]) -> Spent:
+        """CPU used so far (Spent's three parts)."""
+        return Spent(
+            sum(harness.cpu_seconds(replica.process.pid) for replica in used),
+            harness.server_cpu_seconds(self.url),
+            harness.cpu_seconds(self.process.pid),
+        )
 
 
 @contextlib.asynccontextmanager
@@ -248,6 +293,17 @@ async def open_side(name: str, tree: Path, server: str) -> AsyncIterator[Side]:
         harness.stop_replicas(replicas)
 
 
+@contextlib.contextmanager
+def after_tree() -> Iterator[tuple[Path, str]]:
+    """The after side's tree and its name: this checkout, unless BENCH_AFTER_TREE or
+    BENCH_AFTER_REF names another (harness.baseline_tree's rules)."""
+    if not (os.environ.get("BENCH_AFTER_TREE") or os.environ.get("BENCH_AFTER_REF")):
+        yield harness.ROOT, "this checkout"
+        return
+    with harness.baseline_tree("HEAD", role="AFTER") as found:
+        yield found
+
+
 def check_code(before: Side, after: Side) -> None:
     """Stop unless each side's measuring process imported its own tree's code (start_tree_replica
     checked the replicas), and the two sides' files differ."""
@@ -268,16 +324,18 @@ async def measure_rounds(
     measurements: list[Measurement],
     rounds: int,
     tracks: dict[str, Track],
+    costs: dict[str, Track] | None = None,
 ) -> None:
     """Take every measurement through one side and then the other, `rounds` times, the order
-    alternating round by round; each run is added to its figures' `tracks`."""
+    alternating round by round; each run is added to its figures' `tracks` (and `costs`)."""
     started = time.monotonic()
+    costs = {} if costs is None else costs
     for index in range(rounds):
         for measured in measurements:
             for side in harness.alternated(index, (before, after)):
                 began = time.monotonic()
-                value, cpu_s = await side.measure(measured)
-                said = record(tracks, measured, side.name, value, cpu_s)
+                value, spent = await side.measure(measured)
+                said = record(tracks, costs, measured, side.name, value, spent)
                 took = time.monotonic() - began
                 print(f"round {index + 1}/{rounds}, {said} ({took:.1f} s)")
         print(f"round {index + 1} done, {time.monotonic() - started:.0f} s in")
@@ -288,21 +346,32 @@ async def run(sizes: Sizes | None = None) -> dict[str, Any]:
     harness.raise_fd_limit()  # up to 1,000 parked runners; the replicas and sides inherit it
     measurements = plan(sizes)
     tracks: dict[str, Track] = {}
+    costs: dict[str, Track] = {}
     started = time.monotonic()
-    with harness.baseline_tree(BASELINE_REF) as (tree, name), harness.postgres() as server:
+    with (
+        harness.baseline_tree(BASELINE_REF) as (tree, name),
+        after_tree() as (after_tree_path, after_name),
+        harness.postgres() as server,
+    ):
         async with (
             open_side("before", tree, server) as before,
-            open_side("after", harness.ROOT, server) as after,
+            open_side("after", after_tree_path, server) as after,
         ):
             check_code(before, after)
             code = {side.name: side.code for side in (before, after)}
-            await measure_rounds(before, after, measurements, sizes.rounds, tracks)
+            await measure_rounds(before, after, measurements, sizes.rounds, tracks, costs)
     results: dict[str, Any] = {
         "baseline": name,
+        "after": after_name,
         "sizes": asdict(sizes),
         "elapsed_s": round(time.monotonic() - started),
         "code": code,
         "figures": [track.result() for track in tracks.values()],
+        # Diagnostics, outside the verdict: CPU per latency sample, by process.
+        "costs": [
+            {k: v for k, v in track.result().items() if k != "worse_by_more_than_5_percent"}
+            for track in costs.values()
+        ],
     }
     for figure in results["figures"]:
         print(

@@ -277,15 +277,16 @@ async def replicas(database_url: str, count: int, **env: str) -> AsyncIterator[l
 
 
 @contextlib.contextmanager
-def baseline_tree(default_ref: str) -> Iterator[tuple[Path, str]]:
+def baseline_tree(default_ref: str, role: str = "BASELINE") -> Iterator[tuple[Path, str]]:
     """The tree to compare this one with, and its name for the results: the checkout named by
     BENCH_BASELINE_TREE, else `git archive` of BENCH_BASELINE_REF (default `default_ref`)
-    unpacked into a temporary folder, removed afterwards."""
-    configured = os.environ.get("BENCH_BASELINE_TREE")
+    unpacked into a temporary folder, removed afterwards. Another `role` reads BENCH_<role>_TREE
+    and BENCH_<role>_REF instead."""
+    configured = os.environ.get(f"BENCH_{role}_TREE")
     if configured:
         yield Path(configured), configured
         return
-    ref = os.environ.get("BENCH_BASELINE_REF", default_ref)
+    ref = os.environ.get(f"BENCH_{role}_REF", default_ref)
     with tempfile.TemporaryDirectory(prefix="cp-bench-baseline-") as folder:
         archive = Path(folder) / "tree.tar"
         subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), ref], check=True)
@@ -338,6 +339,35 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (/proc/<pid>/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu_seconds(database_url: str) -> float | None:
+    """User + system CPU time so far of the local PostgreSQL that serves `database_url`: its
+    postmaster, its live processes, and the backends that already exited (reaped by the
+    postmaster, so counted in its children's times). None when no local postmaster listens on
+    the URL's port (a BENCH_DATABASE_URL on another machine)."""
+    port = f"-p\0{database_url.rsplit(':', 1)[1].split('/', 1)[0]}\0"
+    stats: dict[int, list[str]] = {}
+    postmaster = None
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if postmaster is None and port in (entry / "cmdline").read_text():
+                postmaster = int(entry.name)
+        except OSError:  # it exited meanwhile
+            continue
+        stats[int(entry.name)] = fields
+    if postmaster is None or postmaster not in stats:
+        return None
+    ticks = sum(
+        int(fields[11]) + int(fields[12])
+        for pid, fields in stats.items()
+        if pid == postmaster or int(fields[1]) == postmaster
+    )
+    reaped = int(stats[postmaster][13]) + int(stats[postmaster][14])
+    return (ticks + reaped) / os.sysconf("SC_CLK_TCK")
 
 
 def alternated(index: int, pair: Sequence[T]) -> list[T]:

@@ -451,6 +451,25 @@ def _before_after(result: dict[str, Any], title: str, what: str) -> list[str]:
         if row["worse_by_more_than_5_percent"]
     ]
     lines += ["", f"Worse by more than 5%: {'; '.join(worse) if worse else 'none'}."]
+    if result.get("costs"):
+        lines += [
+            "",
+            "What each latency sample cost in CPU (outside the verdict, a diagnostic: CPU moves "
+            "far less than a latency on a loaded machine, so it says where a latency's change "
+            "comes from). Per sample, over the whole run of one measurement: setting up its "
+            "runners or provisioners, and between samples the benchmark's own polling of "
+            "`/metrics`, included; the database is every process of the server both sides "
+            "share, measured while one side ran.",
+            "",
+            "| benchmark | figure | CPU of | before us | after us | median of round ratios |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        for row in result["costs"]:
+            lines.append(
+                f"| {row['benchmark']} | {row['figure']} | "
+                f"{row['unit'].removesuffix(' CPU us/sample')} | {row['before']} | "
+                f"{row['after']} | {row['paired_after_to_before']} |"
+            )
     return [*lines, ""]
 
 
