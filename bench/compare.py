@@ -202,9 +202,12 @@ def record(
         said = [add(tracks, f"{q} ms", False, 3, summary[f"{q}_ms"]) for q in ("p50", "p99")]
         # Not figures of the verdict: what each sample cost, which a loaded machine moves far
         # less than it moves a latency, to tell where a latency's change comes from.
-        per_sample = {"replicas": spent.replicas, "database": spent.database}
-        per_sample["measuring process"] = spent.measurer
-        for who, seconds in per_sample.items():
+        per_sample = (
+            ("replicas", spent.replicas),
+            ("database", spent.database),
+            ("measuring process", spent.measurer),
+        )
+        for who, seconds in per_sample:
             if seconds is not None:
                 unit = f"{who} CPU us/sample"
                 said.append(add(costs, unit, False, 1, seconds / len(value) * 1e6))

@@ -408,8 +408,12 @@ def _compare(result: dict[str, Any]) -> list[str]:
         result,
         "Refactor: before and after (same run)",
         "Issue 13's acceptance: the main figures of bench/throughput.py, bench/dispatch.py and "
-        f"bench/demand.py through the tree before the refactor ({result['baseline']}) and this "
-        "tree",
+        f"bench/demand.py through the tree before the refactor ({result['baseline']}) and "
+        + (
+            "this tree"
+            if result.get("after", "this checkout") == "this checkout"
+            else result["after"]
+        ),
     )
 
 
@@ -435,15 +439,16 @@ def _before_after(result: dict[str, Any], title: str, what: str) -> list[str]:
         "rounds' own after / before ratios, signed so that negative is worse. Target: no figure "
         "worse by more than 5%.",
         "| benchmark | figure | unit | before | after | after / before | median of round "
-        "ratios | change |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "ratios | round ratios, lowest to highest | change |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     )
     for row in result["figures"]:
         verdict = " (worse by more than 5%)" if row["worse_by_more_than_5_percent"] else ""
+        ratios = [a / b for a, b in zip(row["after_rounds"], row["before_rounds"], strict=True)]
         lines.append(
             f"| {row['benchmark']} | {row['figure']} | {row['unit']} | {row['before']} | "
             f"{row['after']} | {row['after_to_before']} | {row['paired_after_to_before']} | "
-            f"{row['change']:+.1%}{verdict} |"
+            f"{min(ratios):.3f} to {max(ratios):.3f} | {row['change']:+.1%}{verdict} |"
         )
     worse = [
         f"{row['benchmark']} {row['figure']} ({row['unit']})"
