@@ -35,6 +35,14 @@ BENCH_COMPARE_RUNNERS (10,50,200), BENCH_COMPARE_SAMPLES (200 per latency run),
 BENCH_COMPARE_DISPATCH (10,100,1000 parked runners), BENCH_COMPARE_DEMAND (1,10,100
 provisioners), BENCH_COMPARE_CANCEL (50 samples; 0 leaves it out). An empty list leaves a
 benchmark out.
+
+Dispatch and demand are measured through both sides at once, their samples alternating one by
+one (`measure_interleaved`), rather than one side's run of samples and then the other's: a slow
+spell of the machine then falls on both sides' samples alike rather than on one side's run. Run
+with the same code on both sides, this kept every round's p50 within 2.2% of the other side's,
+where one side's run after the other's let it move by up to 38% (bench/notes.md).
+BENCH_COMPARE_INTERLEAVE=0 measures them one side after the other, as throughput and the cancel
+always are.
 """
 
 from __future__ import annotations
@@ -72,6 +80,7 @@ class Sizes:
     dispatch: tuple[int, ...] = (10, 100, 1000)
     demand: tuple[int, ...] = (1, 10, 100)
     cancel: int = 50
+    interleave: bool = True  # dispatch and demand: the two sides' samples alternate one by one
 
     @classmethod
     def from_env(cls) -> Sizes:
@@ -94,6 +103,7 @@ class Sizes:
             dispatch=counts("DISPATCH", default.dispatch),
             demand=counts("DEMAND", default.demand),
             cancel=number("CANCEL", default.cancel),
+            interleave=bool(number("INTERLEAVE", int(default.interleave))),
         )
 
 
@@ -229,23 +239,36 @@ class Side:
     answers: BufferedByteReceiveStream
     code: dict[str, Any]
 
-    async def measure(self, measured: Measurement) -> tuple[Any, Spent]:
-        """What the side's measuring process answered, and the CPU it cost."""
-        used = self.replicas[: measured.replicas]
+    async def ask(self, measured: Measurement, **extra: Any) -> None:
+        """Send the measuring process its request."""
         request = {
             "measure": measured.measure,
             "url": self.url,
-            "addresses": [replica.address for replica in used],
+            "addresses": [replica.address for replica in self.replicas[: measured.replicas]],
             "size": measured.size,
             "amount": measured.amount,
+            **extra,
         }
-        spent = self.spent(used)
+        await self.tell(json.dumps(request))
+
+    async def tell(self, line: str) -> None:
         assert self.process.stdin is not None
-        await self.process.stdin.send(json.dumps(request).encode() + b"\n")
+        await self.process.stdin.send(line.encode() + b"\n")
+
+    async def read(self, measured: Measurement) -> dict[str, Any]:
+        """The measuring process's next line: an answer, or a turn asked for."""
         with anyio.fail_after(ANSWER_DEADLINE):
-            answer = json.loads(await self.answers.receive_until(b"\n", 1 << 24))
-        if "error" in answer:
-            raise RuntimeError(f"{self.name} side, {measured.title}:\n{answer['error']}")
+            said: dict[str, Any] = json.loads(await self.answers.receive_until(b"\n", 1 << 24))
+        if "error" in said:
+            raise RuntimeError(f"{self.name} side, {measured.title}:\n{said['error']}")
+        return said
+
+    async def measure(self, measured: Measurement) -> tuple[Any, Spent]:
+        """What the side's measuring process answered, and the CPU it cost."""
+        used = self.replicas[: measured.replicas]
+        spent = self.spent(used)
+        await self.ask(measured)
+        answer = await self.read(measured)
         now = self.spent(used)
         database = None
         if now.database is not None and spent.database is not None:
@@ -296,6 +319,57 @@ async def open_side(name: str, tree: Path, server: str) -> AsyncIterator[Side]:
         harness.stop_replicas(replicas)
 
 
+async def measure_interleaved(
+    first: Side, second: Side, measured: Measurement
+) -> dict[str, tuple[Any, Spent]]:
+    """One dispatch or demand measurement through both sides at once, their samples alternating
+        one by one, `first`'s first: each side's measuring process asks for a turn between samples
+        (compare_side.py) and takes its next sample when told to go. A side is told to go
+        when it is its turn (or the other side has finished) and no sample of the other side is in
+        flight; so at any moment at most one sample is in flight, and a slow spell of the machine
+        falls on both sides' samples alike. Both sides' runners (or provisioner sessions) stay
+    connected throughout. The database
+        server's CPU cannot be told apart by side here, and is not recorded."""
+    order = {first.name: second, second.name: first}
+    state: dict[str, Any] = {"turn": first.name, "busy": None, "done": set()}
+    changed = anyio.Condition()
+    values: dict[str, tuple[Any, Spent]] = {}
+
+    async def drive(side: Side) -> None:
+        other = order[side.name]
+        used = side.replicas[: measured.replicas]
+        spent = side.spent(used)
+        await side.ask(measured, interleave=True)
+        while True:
+            said = await side.read(measured)
+            async with changed:
+                if state["busy"] == side.name:
+                    state["busy"] = None  # its sample is over: it is parked again, or done
+                if "turn" not in said:
+                    state["done"].add(side.name)
+                changed.notify_all()
+            if "turn" not in said:
+                now = side.spent(used)
+                values[side.name] = (
+                    said["value"],
+                    Spent(now.replicas - spent.replicas, None, now.measurer - spent.measurer),
+                )
+                return
+            async with changed:
+                while not (
+                    state["busy"] is None
+                    and (state["turn"] == side.name or other.name in state["done"])
+                ):
+                    await changed.wait()
+                state["busy"], state["turn"] = side.name, other.name
+            await side.tell("go")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(drive, first)
+        group.start_soon(drive, second)
+    return values
+
+
 @contextlib.contextmanager
 def after_tree() -> Iterator[tuple[Path, str]]:
     """The after side's tree and its name: this checkout, unless BENCH_AFTER_TREE or
@@ -328,6 +402,7 @@ async def measure_rounds(
     rounds: int,
     tracks: dict[str, Track],
     costs: dict[str, Track] | None = None,
+    interleave: bool = False,
 ) -> None:
     """Take every measurement through one side and then the other, `rounds` times, the order
     alternating round by round; each run is added to its figures' `tracks` (and `costs`)."""
@@ -335,6 +410,16 @@ async def measure_rounds(
     costs = {} if costs is None else costs
     for index in range(rounds):
         for measured in measurements:
+            if interleave and measured.measure in ("dispatch", "demand"):
+                began = time.monotonic()
+                first, second = harness.alternated(index, (before, after))
+                values = await measure_interleaved(first, second, measured)
+                for side in (before, after):
+                    value, spent = values[side.name]
+                    said = record(tracks, costs, measured, side.name, value, spent)
+                    print(f"round {index + 1}/{rounds}, interleaved, {said}")
+                print(f"  ({time.monotonic() - began:.1f} s, {first.name}'s sample first)")
+                continue
             for side in harness.alternated(index, (before, after)):
                 began = time.monotonic()
                 value, spent = await side.measure(measured)
@@ -362,7 +447,9 @@ async def run(sizes: Sizes | None = None) -> dict[str, Any]:
         ):
             check_code(before, after)
             code = {side.name: side.code for side in (before, after)}
-            await measure_rounds(before, after, measurements, sizes.rounds, tracks, costs)
+            await measure_rounds(
+                before, after, measurements, sizes.rounds, tracks, costs, sizes.interleave
+            )
     results: dict[str, Any] = {
         "baseline": name,
         "after": after_name,

@@ -10,6 +10,13 @@ since 1089cdd.
 Protocol, one JSON object a line: first out, the files of the `controlplane` and `bench` it
 imported; then one answer for each request read from stdin, `{"value": ...}` (jobs/s, or a list
 of latencies in seconds) or `{"error": traceback}`. It ends at the end of its input.
+
+Interleaved dispatch and demand (a request with `"interleave": true`; compare.py runs both
+sides' at once): between samples the process writes `{"turn": true}` and waits for a line `go`
+on stdin, so that the two sides' samples alternate one by one. The hooks are outside the clock
+and have been in both benchmarks since 1089cdd: dispatch's module function `_parked`, called
+between samples (the turn is taken once all runners are parked again), and demand's
+`Provisioner.granted` event, whose wait follows the grant's arrival stamp.
 """
 
 from __future__ import annotations
@@ -18,17 +25,105 @@ import json
 import os
 import sys
 import traceback
-from typing import Any
+from typing import Any, TextIO
 
 import anyio
 
 import controlplane
 from bench import demand, dispatch, throughput
 
+_ANSWERS: TextIO = sys.stdout  # the real stdout, once main() has moved print's out of the way
+
+
+def answer(value: dict[str, Any]) -> None:
+    _ANSWERS.write(json.dumps(value) + "\n")
+    _ANSWERS.flush()
+
+
+async def take_turn() -> None:
+    """Say this side is ready for its next sample and wait until compare.py says go."""
+    answer({"turn": True})
+    line = await anyio.to_thread.run_sync(sys.stdin.readline)
+    if line.strip() != "go":
+        raise RuntimeError(f"expected go, read {line!r}")
+
+
+async def interleaved_dispatch(
+    url: str, addresses: list[str], size: int, amount: int
+) -> list[float]:
+    """`dispatch.measure`, taking a turn whenever all `size` runners are parked."""
+    original = dispatch._parked
+
+    async def parked(clients: Any) -> int:
+        count: int = await original(clients)
+        if count >= size:
+            await take_turn()
+        return count
+
+    dispatch._parked = parked
+    try:
+        latencies: list[float] = await dispatch.measure(url, addresses, size, amount)
+        return latencies
+    finally:
+        dispatch._parked = original
+
+
+class _TurnAfterWait:
+    """A provisioner's `granted` event (bench/demand.py) whose `wait`, once the grant is in,
+    also waits for this side's next turn. demand.measure stops a sample's clock at the grant's
+    arrival stamp, not when the wait returns, so the turn is outside the clock."""
+
+    def __init__(self, event: anyio.Event) -> None:
+        self._event = event
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        await take_turn()
+
+
+async def interleaved_demand(url: str, addresses: list[str], size: int, amount: int) -> list[float]:
+    """`demand.measure`, taking a turn after each sample. Its first sample has no turn before
+    it (the loop has no hook there), so the two sides' first samples may overlap."""
+    cls = demand.Provisioner
+    original = cls.__dict__.get("granted")
+
+    def get(self: Any) -> _TurnAfterWait:
+        event: _TurnAfterWait = self.__dict__["_granted"]
+        return event
+
+    def put(self: Any, event: anyio.Event) -> None:
+        self.__dict__["_granted"] = _TurnAfterWait(event)
+
+    # `granted` is an instance attribute of each tree's Provisioner: a property on the class
+    # takes over its assignments (measure's `member.granted = anyio.Event()`) and reads.
+    name = "granted"
+    setattr(cls, name, property(get, put))
+    try:
+        latencies: list[float] = await demand.measure(url, addresses, size, amount)
+        return latencies
+    finally:
+        if original is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, original)
+
 
 async def measure(request: dict[str, Any]) -> float | list[float]:
     url, addresses = request["url"], request["addresses"]
     size, amount = request["size"], request["amount"]
+    if request.get("interleave"):
+        match request["measure"]:
+            case "dispatch":
+                return await interleaved_dispatch(url, addresses, size, amount)
+            case "demand":
+                return await interleaved_demand(url, addresses, size, amount)
+        raise ValueError(f"{request['measure']} does not interleave")
     match request["measure"]:
         case "http_lifecycle":
             return await throughput.http_lifecycle(url, addresses, size, amount)
@@ -45,15 +140,11 @@ async def measure(request: dict[str, Any]) -> float | list[float]:
 
 def main() -> None:
     # Answers keep the real stdout; whatever the measured code prints goes to stderr.
-    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    global _ANSWERS
+    _ANSWERS = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-
-    def answer(value: dict[str, Any]) -> None:
-        answers.write(json.dumps(value) + "\n")
-        answers.flush()
-
     answer({"controlplane": controlplane.__file__, "bench": throughput.__file__})
-    for line in sys.stdin:
+    for line in sys.stdin:  # take_turn reads the same stream, between these lines
         try:
             answer({"value": anyio.run(measure, json.loads(line))})
         except Exception:

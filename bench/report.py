@@ -417,6 +417,19 @@ def _compare(result: dict[str, Any]) -> list[str]:
     )
 
 
+def _compare_interleaved(result: dict[str, Any]) -> list[str]:
+    """A dispatch-only run of bench/compare.py with more samples a round, renamed."""
+    return _before_after(
+        result,
+        "Dispatch, 1,000 samples a round, interleaved: before and after (same run)",
+        "Issue 13's dispatch figures alone, with more samples a round for steadier p99s "
+        "(`BENCH_COMPARE_RUNNERS= BENCH_COMPARE_DEMAND= BENCH_COMPARE_CANCEL=0 "
+        "BENCH_COMPARE_SAMPLES=1000`, the result renamed compare_interleaved.json): both "
+        "sides' runners parked at once and their samples alternating one by one; the tree "
+        f"before the refactor ({result['baseline']}) and this tree",
+    )
+
+
 def _policies_off(result: dict[str, Any]) -> list[str]:
     return _before_after(
         result,
@@ -551,6 +564,7 @@ RENDERERS = {
     "cli_startup": _cli_startup,
     "limits": _limits,
     "compare": _compare,
+    "compare_interleaved": _compare_interleaved,
     "policies_off": _policies_off,  # bench/compare.py's result against 7569915, renamed
     "pages": _pages,
     "idle_sessions": _idle_sessions,
