@@ -446,11 +446,17 @@ def _before_after(result: dict[str, Any], title: str, what: str) -> list[str]:
         title,
         result,
         f"{what}, each side with its own two replicas, database and measuring process, all in its "
-        "own tree's code (bench/compare.py); the order alternating round by round, medians of "
-        f"{sizes['rounds']} rounds; {sizes['jobs']} jobs per lifecycle run, {sizes['samples']} "
-        f"samples per latency run; {result['elapsed_s']} s in all. Change is the median of the "
-        "rounds' own after / before ratios, signed so that negative is worse. Target: no figure "
-        "worse by more than 5%.",
+        "own tree's code (bench/compare.py); the order alternating round by round"
+        + (
+            " (dispatch and demand through both sides at once, their samples alternating one by "
+            "one)"
+            if sizes.get("interleave")
+            else ""
+        )
+        + f", medians of {sizes['rounds']} rounds; {sizes['jobs']} jobs per lifecycle run, "
+        f"{sizes['samples']} samples per latency run; {result['elapsed_s']} s in all. Change is "
+        "the median of the rounds' own after / before ratios, signed so that negative is worse. "
+        "Target: no figure worse by more than 5%.",
         "| benchmark | figure | unit | before | after | after / before | median of round "
         "ratios | round ratios, lowest to highest | change |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
