@@ -30,19 +30,20 @@ less than a latency on a loaded machine, so these say where a latency's change c
 result goes to bench/results/compare.json; bench/report.py renders it.
 
 Sizes come from the environment; the defaults make the full run (bench/notes.md says how long
-it takes): BENCH_COMPARE_ROUNDS (6), BENCH_COMPARE_JOBS (3000 jobs per throughput run),
-BENCH_COMPARE_RUNNERS (10,50,200), BENCH_COMPARE_SAMPLES (200 per latency run),
-BENCH_COMPARE_DISPATCH (10,100,1000 parked runners), BENCH_COMPARE_DEMAND (1,10,100
-provisioners), BENCH_COMPARE_CANCEL (50 samples; 0 leaves it out). An empty list leaves a
-benchmark out.
+it takes, about half an hour): BENCH_COMPARE_ROUNDS (5), BENCH_COMPARE_JOBS (3000 jobs per
+throughput run), BENCH_COMPARE_RUNNERS (10,50,200), BENCH_COMPARE_SAMPLES (1000 per dispatch
+or demand run), BENCH_COMPARE_DISPATCH (10,100,1000 parked runners), BENCH_COMPARE_DEMAND
+(1,10,100 provisioners), BENCH_COMPARE_CANCEL (1000 samples; 0 leaves it out). An empty list
+leaves a benchmark out. A p99 of 1,000 samples is the tenth-slowest; of 300 it was the third,
+which moved by a third between rounds of the same code (bench/notes.md), too much to read 5%.
 
-Dispatch and demand are measured through both sides at once, their samples alternating one by
-one (`measure_interleaved`), rather than one side's run of samples and then the other's: a slow
-spell of the machine then falls on both sides' samples alike rather than on one side's run. Run
-with the same code on both sides, this kept every round's p50 within 2.2% of the other side's,
-where one side's run after the other's let it move by up to 38% (bench/notes.md).
-BENCH_COMPARE_INTERLEAVE=0 measures them one side after the other, as throughput and the cancel
-always are.
+Dispatch, the cancel and demand are measured through both sides at once, their samples
+alternating one by one (`measure_interleaved`), rather than one side's run of samples and then
+the other's: a slow spell of the machine then falls on both sides' samples alike rather than on
+one side's run. Run with the same code on both sides, this kept every round's p50 within 2.2% of
+the other side's, where one side's run after the other's let it move by up to 38%
+(bench/notes.md). BENCH_COMPARE_INTERLEAVE=0 measures them one side after the other, as
+throughput always is.
 """
 
 from __future__ import annotations
@@ -73,14 +74,14 @@ TOLERANCE = 0.05  # issue 13: no figure worse by more than 5%
 
 @dataclass(frozen=True)
 class Sizes:
-    rounds: int = 6
+    rounds: int = 5
     jobs: int = 3000
     runners: tuple[int, ...] = (10, 50, 200)
-    samples: int = 200
+    samples: int = 1000
     dispatch: tuple[int, ...] = (10, 100, 1000)
     demand: tuple[int, ...] = (1, 10, 100)
-    cancel: int = 50
-    interleave: bool = True  # dispatch and demand: the two sides' samples alternate one by one
+    cancel: int = 1000
+    interleave: bool = True  # dispatch, cancel, demand: the sides' samples alternate one by one
 
     @classmethod
     def from_env(cls) -> Sizes:
@@ -322,14 +323,14 @@ async def open_side(name: str, tree: Path, server: str) -> AsyncIterator[Side]:
 async def measure_interleaved(
     first: Side, second: Side, measured: Measurement
 ) -> dict[str, tuple[Any, Spent]]:
-    """One dispatch or demand measurement through both sides at once, their samples alternating
-        one by one, `first`'s first: each side's measuring process asks for a turn between samples
-        (compare_side.py) and takes its next sample when told to go. A side is told to go
-        when it is its turn (or the other side has finished) and no sample of the other side is in
-        flight; so at any moment at most one sample is in flight, and a slow spell of the machine
-        falls on both sides' samples alike. Both sides' runners (or provisioner sessions) stay
-    connected throughout. The database
-        server's CPU cannot be told apart by side here, and is not recorded."""
+    """One dispatch, cancel or demand measurement through both sides at once, their samples
+    alternating one by one, `first`'s first: each side's measuring process asks for a turn between
+    samples (compare_side.py) and takes its next sample when told to go. A side is told to go when
+    it is its turn (or the other side has finished) and no sample of the other side is in flight;
+    so at any moment at most one sample is in flight, and a slow spell of the machine falls on
+    both sides' samples alike. Both sides' runners (or provisioner sessions) stay connected
+    throughout. The database server's CPU cannot be told apart by side here, and is not
+    recorded."""
     order = {first.name: second, second.name: first}
     state: dict[str, Any] = {"turn": first.name, "busy": None, "done": set()}
     changed = anyio.Condition()
@@ -410,7 +411,7 @@ async def measure_rounds(
     costs = {} if costs is None else costs
     for index in range(rounds):
         for measured in measurements:
-            if interleave and measured.measure in ("dispatch", "demand"):
+            if interleave and measured.measure in ("dispatch", "demand", "cancel"):
                 began = time.monotonic()
                 first, second = harness.alternated(index, (before, after))
                 values = await measure_interleaved(first, second, measured)

@@ -16,21 +16,33 @@ sides' at once): between samples the process writes `{"turn": true}` and waits f
 on stdin, so that the two sides' samples alternate one by one. The hooks are outside the clock
 and have been in both benchmarks since 1089cdd: dispatch's module function `_parked`, called
 between samples (the turn is taken once all runners are parked again), and demand's
-`Provisioner.granted` event, whose wait follows the grant's arrival stamp.
+`Provisioner.granted` event, whose wait follows the grant's arrival stamp. The cancel takes its
+turn before each sample's enqueue, through the `queue` module dispatch.py has called since then.
+
+Demand's provisioners (bench/demand.py) never write after their advertisement, so a session the
+measurement keeps longer than the server's control-session idle timeout (60 s) is closed with
+4408: 1,000 samples at one provisioner take longer than that once interleaved. Here every
+session also sends a protocol `ping` every PING_SECONDS, through the websockets `connect` that
+demand.py has imported since 1089cdd, on both sides alike; the `pong` goes past its read loop,
+which looks only at `demand` messages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import traceback
+from collections.abc import AsyncIterator
 from typing import Any, TextIO
 
 import anyio
 
 import controlplane
 from bench import demand, dispatch, throughput
+
+PING_SECONDS = 20.0  # a third of the server's 60 s control-session idle timeout
 
 _ANSWERS: TextIO = sys.stdout  # the real stdout, once main() has moved print's out of the way
 
@@ -114,6 +126,48 @@ async def interleaved_demand(url: str, addresses: list[str], size: int, amount: 
             setattr(cls, name, original)
 
 
+async def interleaved_cancel(url: str, address: str, amount: int) -> list[float]:
+    """`dispatch.cancel_latency`, taking a turn before each sample's enqueue, which comes before
+    its clock starts (the clock runs from the cancel request to the held heartbeat's answer)."""
+    names = vars(dispatch)  # the module's own namespace, where its functions look `queue` up
+    original = names["queue"]
+
+    class Queue:
+        @staticmethod
+        async def enqueue(*args: Any, **kwargs: Any) -> Any:
+            await take_turn()
+            return await original.enqueue(*args, **kwargs)
+
+    names["queue"] = Queue
+    try:
+        latencies: list[float] = await dispatch.cancel_latency(url, address, amount)
+        return latencies
+    finally:
+        names["queue"] = original
+
+
+async def _ping(ws: Any) -> None:
+    for number in range(1 << 30):
+        await anyio.sleep(PING_SECONDS)
+        await ws.send(json.dumps({"type": "ping", "request_id": f"bench-ping-{number}"}))
+
+
+def _pinging(connect: Any) -> Any:
+    """websockets' `connect`, whose connections also send a control-session ping every
+    PING_SECONDS once opened (the first after the hello and advertisement are long done)."""
+
+    @contextlib.asynccontextmanager
+    async def opened(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async with connect(*args, **kwargs) as ws, anyio.create_task_group() as group:
+            group.start_soon(_ping, ws)
+            try:
+                yield ws
+            finally:
+                group.cancel_scope.cancel()
+
+    return opened
+
+
 async def measure(request: dict[str, Any]) -> float | list[float]:
     url, addresses = request["url"], request["addresses"]
     size, amount = request["size"], request["amount"]
@@ -123,6 +177,8 @@ async def measure(request: dict[str, Any]) -> float | list[float]:
                 return await interleaved_dispatch(url, addresses, size, amount)
             case "demand":
                 return await interleaved_demand(url, addresses, size, amount)
+            case "cancel":
+                return await interleaved_cancel(url, addresses[0], amount)
         raise ValueError(f"{request['measure']} does not interleave")
     match request["measure"]:
         case "http_lifecycle":
@@ -144,6 +200,7 @@ def main() -> None:
     _ANSWERS = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     answer({"controlplane": controlplane.__file__, "bench": throughput.__file__})
+    vars(demand)["connect"] = _pinging(vars(demand)["connect"])
     for line in sys.stdin:  # take_turn reads the same stream, between these lines
         try:
             answer({"value": anyio.run(measure, json.loads(line))})
