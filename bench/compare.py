@@ -43,7 +43,9 @@ the other's: a slow spell of the machine then falls on both sides' samples alike
 one side's run. Run with the same code on both sides, this kept every round's p50 within 2.2% of
 the other side's, where one side's run after the other's let it move by up to 38%
 (bench/notes.md). BENCH_COMPARE_INTERLEAVE=0 measures them one side after the other, as
-throughput always is.
+throughput always is. Between a round's throughput runs and its latencies both databases are
+vacuumed (`vacuum_both`, about a second; BENCH_COMPARE_VACUUM=0 leaves it out), so that the
+autovacuum those runs' rows call for does not fall inside one side's latency samples.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import asyncpg
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -82,6 +85,7 @@ class Sizes:
     demand: tuple[int, ...] = (1, 10, 100)
     cancel: int = 1000
     interleave: bool = True  # dispatch, cancel, demand: the sides' samples alternate one by one
+    vacuum: bool = True  # VACUUM both databases after a round's throughput runs
 
     @classmethod
     def from_env(cls) -> Sizes:
@@ -105,6 +109,7 @@ class Sizes:
             demand=counts("DEMAND", default.demand),
             cancel=number("CANCEL", default.cancel),
             interleave=bool(number("INTERLEAVE", int(default.interleave))),
+            vacuum=bool(number("VACUUM", int(default.vacuum))),
         )
 
 
@@ -404,13 +409,18 @@ async def measure_rounds(
     tracks: dict[str, Track],
     costs: dict[str, Track] | None = None,
     interleave: bool = False,
+    vacuum: bool = False,
 ) -> None:
     """Take every measurement through one side and then the other, `rounds` times, the order
     alternating round by round; each run is added to its figures' `tracks` (and `costs`)."""
     started = time.monotonic()
     costs = {} if costs is None else costs
     for index in range(rounds):
+        vacuumed = False
         for measured in measurements:
+            if vacuum and not vacuumed and measured.benchmark != "throughput":
+                await vacuum_both(before, after)
+                vacuumed = True
             if interleave and measured.measure in ("dispatch", "demand", "cancel"):
                 began = time.monotonic()
                 first, second = harness.alternated(index, (before, after))
@@ -428,6 +438,20 @@ async def measure_rounds(
                 took = time.monotonic() - began
                 print(f"round {index + 1}/{rounds}, {said} ({took:.1f} s)")
         print(f"round {index + 1} done, {time.monotonic() - started:.0f} s in")
+
+
+async def vacuum_both(before: Side, after: Side) -> None:
+    """VACUUM (ANALYZE) both sides' databases, one after the other, before a round's latencies:
+    the throughput runs just wrote tens of thousands of rows to each, and the autovacuum they
+    trigger otherwise runs inside whichever side's latency samples it happens to meet."""
+    began = time.monotonic()
+    for side in (before, after):
+        conn = await asyncpg.connect(side.url)
+        try:
+            await conn.execute("VACUUM (ANALYZE)")
+        finally:
+            await conn.close()
+    print(f"  (both databases vacuumed in {time.monotonic() - began:.1f} s)")
 
 
 async def run(sizes: Sizes | None = None) -> dict[str, Any]:
@@ -449,7 +473,14 @@ async def run(sizes: Sizes | None = None) -> dict[str, Any]:
             check_code(before, after)
             code = {side.name: side.code for side in (before, after)}
             await measure_rounds(
-                before, after, measurements, sizes.rounds, tracks, costs, sizes.interleave
+                before,
+                after,
+                measurements,
+                sizes.rounds,
+                tracks,
+                costs,
+                sizes.interleave,
+                sizes.vacuum,
             )
     results: dict[str, Any] = {
         "baseline": name,
