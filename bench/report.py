@@ -440,6 +440,12 @@ def _policies_off(result: dict[str, Any]) -> list[str]:
     )
 
 
+def _interleaved(sizes: dict[str, Any]) -> str:
+    """What a compare run interleaved: dispatch and demand; the cancel too in the runs made
+    since b96d1f7, the first to record `vacuum` in their sizes."""
+    return "dispatch, the cancel and demand" if "vacuum" in sizes else "dispatch and demand"
+
+
 def _before_after(result: dict[str, Any], title: str, what: str) -> list[str]:
     sizes = result["sizes"]
     lines = _section(
@@ -448,13 +454,16 @@ def _before_after(result: dict[str, Any], title: str, what: str) -> list[str]:
         f"{what}, each side with its own two replicas, database and measuring process, all in its "
         "own tree's code (bench/compare.py); the order alternating round by round"
         + (
-            " (dispatch and demand through both sides at once, their samples alternating one by "
-            "one)"
+            f" ({_interleaved(sizes)} through both sides at once, their samples alternating one "
+            "by one)"
             if sizes.get("interleave")
             else ""
         )
+        + (", both databases vacuumed before each round's latencies" if sizes.get("vacuum") else "")
         + f", medians of {sizes['rounds']} rounds; {sizes['jobs']} jobs per lifecycle run, "
-        f"{sizes['samples']} samples per latency run; {result['elapsed_s']} s in all. Change is "
+        f"{sizes['samples']} samples per dispatch and demand run"
+        + (f", {sizes['cancel']} cancels" if sizes.get("cancel") else "")
+        + f"; {result['elapsed_s']} s in all. Change is "
         "the median of the rounds' own after / before ratios, signed so that negative is worse. "
         "Target: no figure worse by more than 5%.",
         "| benchmark | figure | unit | before | after | after / before | median of round "
