@@ -73,6 +73,8 @@ SIDE_SCRIPT = Path(__file__).with_name("compare_side.py")
 # The longest one measurement may take: 3,000 jobs at 10 jobs/s on a machine busy with other work.
 ANSWER_DEADLINE = 600
 TOLERANCE = 0.05  # issue 13: no figure worse by more than 5%
+# The measures whose samples alternate between the sides (compare_side.py has a form of each).
+INTERLEAVED = ("dispatch", "cancel", "demand")
 
 
 @dataclass(frozen=True)
@@ -421,7 +423,7 @@ async def measure_rounds(
             if vacuum and not vacuumed and measured.benchmark != "throughput":
                 await vacuum_both(before, after)
                 vacuumed = True
-            if interleave and measured.measure in ("dispatch", "demand", "cancel"):
+            if interleave and measured.measure in INTERLEAVED:
                 began = time.monotonic()
                 first, second = harness.alternated(index, (before, after))
                 values = await measure_interleaved(first, second, measured)
@@ -486,6 +488,7 @@ async def run(sizes: Sizes | None = None) -> dict[str, Any]:
         "baseline": name,
         "after": after_name,
         "sizes": asdict(sizes),
+        "interleaved": list(INTERLEAVED) if sizes.interleave else [],
         "elapsed_s": round(time.monotonic() - started),
         "code": code,
         "figures": [track.result() for track in tracks.values()],

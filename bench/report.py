@@ -440,10 +440,12 @@ def _policies_off(result: dict[str, Any]) -> list[str]:
     )
 
 
-def _interleaved(sizes: dict[str, Any]) -> str:
-    """What a compare run interleaved: dispatch and demand; the cancel too in the runs made
-    since b96d1f7, the first to record `vacuum` in their sizes."""
-    return "dispatch, the cancel and demand" if "vacuum" in sizes else "dispatch and demand"
+def _interleaved(result: dict[str, Any]) -> str:
+    """What a compare run interleaved, as it recorded; a run from before it recorded that
+    interleaved dispatch and demand."""
+    measures = result.get("interleaved", ["dispatch", "demand"])
+    names = [f"the {m}" if m == "cancel" else m for m in measures]
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
 
 
 def _before_after(result: dict[str, Any], title: str, what: str) -> list[str]:
@@ -454,7 +456,7 @@ def _before_after(result: dict[str, Any], title: str, what: str) -> list[str]:
         f"{what}, each side with its own two replicas, database and measuring process, all in its "
         "own tree's code (bench/compare.py); the order alternating round by round"
         + (
-            f" ({_interleaved(sizes)} through both sides at once, their samples alternating one "
+            f" ({_interleaved(result)} through both sides at once, their samples alternating one "
             "by one)"
             if sizes.get("interleave")
             else ""
