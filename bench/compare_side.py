@@ -30,11 +30,12 @@ which looks only at `demand` messages.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, TextIO
 
 import anyio
@@ -72,12 +73,21 @@ async def interleaved_dispatch(
             await take_turn()
         return count
 
-    dispatch._parked = parked
-    try:
+    with swapped(vars(dispatch), "_parked", parked):
         latencies: list[float] = await dispatch.measure(url, addresses, size, amount)
-        return latencies
+    return latencies
+
+
+@contextlib.contextmanager
+def swapped(namespace: dict[str, Any], name: str, value: Any) -> Iterator[None]:
+    """`namespace[name]` (a module's globals, where its functions look names up) is `value`
+    inside, and its own again after."""
+    original = namespace[name]
+    namespace[name] = value
+    try:
+        yield
     finally:
-        dispatch._parked = original
+        namespace[name] = original
 
 
 class _TurnAfterWait:
@@ -129,8 +139,7 @@ async def interleaved_demand(url: str, addresses: list[str], size: int, amount: 
 async def interleaved_cancel(url: str, address: str, amount: int) -> list[float]:
     """`dispatch.cancel_latency`, taking a turn before each sample's enqueue, which comes before
     its clock starts (the clock runs from the cancel request to the held heartbeat's answer)."""
-    names = vars(dispatch)  # the module's own namespace, where its functions look `queue` up
-    original = names["queue"]
+    original = vars(dispatch)["queue"]
 
     class Queue:
         @staticmethod
@@ -138,16 +147,13 @@ async def interleaved_cancel(url: str, address: str, amount: int) -> list[float]
             await take_turn()
             return await original.enqueue(*args, **kwargs)
 
-    names["queue"] = Queue
-    try:
+    with swapped(vars(dispatch), "queue", Queue):
         latencies: list[float] = await dispatch.cancel_latency(url, address, amount)
-        return latencies
-    finally:
-        names["queue"] = original
+    return latencies
 
 
 async def _ping(ws: Any) -> None:
-    for number in range(1 << 30):
+    for number in itertools.count():
         await anyio.sleep(PING_SECONDS)
         await ws.send(json.dumps({"type": "ping", "request_id": f"bench-ping-{number}"}))
 
