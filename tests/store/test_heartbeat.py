@@ -162,6 +162,31 @@ async def test_j53_heartbeat_touches_session_every_time_without_throttle(
         assert after["updated_at"] > stamped
 
 
+async def test_heartbeats_rewrite_the_lease_in_place(conn: Conn, workspace: UUID) -> None:
+    """A heartbeat is a HOT update of its lease (sql/0031): no index of running_jobs holds a
+    column it sets, so PostgreSQL writes no index entry for it. The first heartbeat and a later
+    one, each in a transaction of its own (so each sets a later now()), counted by the backend's
+    statistics not yet reported, which stay put within a transaction: read before and after."""
+
+    async def counts() -> tuple[int, int]:
+        row = await conn.fetchrow(
+            """
+            SELECT pg_stat_get_xact_tuples_updated('running_jobs'::regclass) AS updated,
+                   pg_stat_get_xact_tuples_hot_updated('running_jobs'::regclass) AS hot
+            """
+        )
+        assert row is not None
+        return row["updated"], row["hot"]
+
+    session, job = await claimed_job(conn, workspace)
+    execution = job.identity.job_execution_id
+    for _ in range(2):
+        async with conn.transaction():
+            updated, hot = await counts()
+            await leases.heartbeat(conn, execution, session.runner_session_id)
+            assert await counts() == (updated + 1, hot + 1)
+
+
 async def test_heartbeat_stores_reported_capabilities(conn: Conn, workspace: UUID) -> None:
     session, job = await claimed_job(conn, workspace)
     execution = job.identity.job_execution_id
