@@ -11,8 +11,8 @@ calls that enqueue jobs, make tokens and provisioners and run the SQL lifecycle.
 measuring, every replica and both measuring processes name the `controlplane` they imported; the
 run stops unless each lies in its side's tree.
 
-Each round takes every measurement through one side and then the other, the order alternating
-round by round (harness.alternated):
+Each round takes every measurement through both sides, the order alternating round by round
+(harness.alternated):
 
 * throughput: the HTTP lifecycle through the side's first replica (jobs/s, and that replica's
   CPU per job) and the SQL lifecycle (jobs/s), at each runner count;
@@ -33,7 +33,8 @@ Sizes come from the environment; the defaults make the full run (bench/notes.md 
 it takes, about half an hour): BENCH_COMPARE_ROUNDS (5), BENCH_COMPARE_JOBS (3000 jobs per
 throughput run), BENCH_COMPARE_RUNNERS (10,50,200), BENCH_COMPARE_SAMPLES (1000 per dispatch
 or demand run), BENCH_COMPARE_DISPATCH (10,100,1000 parked runners), BENCH_COMPARE_DEMAND
-(1,10,100 provisioners), BENCH_COMPARE_CANCEL (1000 samples; 0 leaves it out). An empty list
+(1,10,100 provisioners), BENCH_COMPARE_CANCEL (1000 samples; 0 leaves it out),
+BENCH_COMPARE_REPEATS (2 runs a side a round of each lifecycle, below). An empty list
 leaves a benchmark out. A p99 of 1,000 samples is the tenth-slowest; of 300 it was the third,
 which moved by a third between rounds of the same code (bench/notes.md), too much to read 5%.
 
@@ -42,9 +43,19 @@ alternating one by one (`measure_interleaved`), rather than one side's run of sa
 the other's: a slow spell of the machine then falls on both sides' samples alike rather than on
 one side's run. Run with the same code on both sides, this kept every round's p50 within 2.2% of
 the other side's, where one side's run after the other's let it move by up to 38%
-(bench/notes.md). BENCH_COMPARE_INTERLEAVE=0 measures them one side after the other, as
-throughput always is. Between a round's throughput runs and its latencies both databases are
-vacuumed (`vacuum_both`, about a second; BENCH_COMPARE_VACUUM=0 leaves it out), so that the
+(bench/notes.md). BENCH_COMPARE_INTERLEAVE=0 measures them one side after the other.
+
+A lifecycle run cannot alternate job by job (its runners claim concurrently), so each side runs
+it BENCH_COMPARE_REPEATS times a round (2), whole, the sides taking turns run by run in the order
+before, after, after, before (`measure_repeated`; swapped in odd rounds): a side's jobs/s is its
+jobs over the sum of its runs' times. With one 5 to 8 s run a side, the SQL lifecycle at 200
+runners moved from 0.82 to 1.02 of the baseline between rounds of one run, and a run with the
+same code on both sides put it at 1.15 (bench/notes.md). Cutting a run's jobs into shorter runs
+instead was tried and dropped: each run sets up its own 200 connections and runner sessions,
+and at 500 jobs a run that set-up, not the lifecycle, was most of what it measured.
+
+Between a round's throughput runs and its latencies both databases are vacuumed (`vacuum_both`,
+about a second; BENCH_COMPARE_VACUUM=0 leaves it out), so that the
 autovacuum those runs' rows call for does not fall inside one side's latency samples.
 """
 
@@ -53,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -86,6 +98,7 @@ class Sizes:
     dispatch: tuple[int, ...] = (10, 100, 1000)
     demand: tuple[int, ...] = (1, 10, 100)
     cancel: int = 1000
+    repeats: int = 2  # runs a side a round of each lifecycle, alternating between the sides
     interleave: bool = True  # dispatch, cancel, demand: the sides' samples alternate one by one
     vacuum: bool = True  # VACUUM both databases after a round's throughput runs
 
@@ -110,6 +123,7 @@ class Sizes:
             dispatch=counts("DISPATCH", default.dispatch),
             demand=counts("DEMAND", default.demand),
             cancel=number("CANCEL", default.cancel),
+            repeats=max(1, number("REPEATS", default.repeats)),
             interleave=bool(number("INTERLEAVE", int(default.interleave))),
             vacuum=bool(number("VACUUM", int(default.vacuum))),
         )
@@ -193,6 +207,16 @@ class Spent:
     replicas: float
     database: float | None
     measurer: float
+
+    @staticmethod
+    def mean(runs: list[Spent]) -> Spent:
+        """What one of `runs` cost on average."""
+        databases = [run.database for run in runs]
+        return Spent(
+            statistics.fmean(run.replicas for run in runs),
+            None if None in databases else statistics.fmean(d for d in databases if d is not None),
+            statistics.fmean(run.measurer for run in runs),
+        )
 
 
 def record(
@@ -412,9 +436,10 @@ async def measure_rounds(
     costs: dict[str, Track] | None = None,
     interleave: bool = False,
     vacuum: bool = False,
+    repeats: int = 1,
 ) -> None:
-    """Take every measurement through one side and then the other, `rounds` times, the order
-    alternating round by round; each run is added to its figures' `tracks` (and `costs`)."""
+    """Take every measurement through both sides, `rounds` times, the order alternating round by
+    round; each run is added to its figures' `tracks` (and `costs`)."""
     started = time.monotonic()
     costs = {} if costs is None else costs
     for index in range(rounds):
@@ -433,6 +458,15 @@ async def measure_rounds(
                     print(f"round {index + 1}/{rounds}, interleaved, {said}")
                 print(f"  ({time.monotonic() - began:.1f} s, {first.name}'s sample first)")
                 continue
+            if measured.benchmark == "throughput" and repeats > 1:
+                began = time.monotonic()
+                found = await measure_repeated(before, after, measured, index, repeats)
+                for side in (before, after):
+                    value, spent = found[side.name]
+                    said = record(tracks, costs, measured, side.name, value, spent)
+                    print(f"round {index + 1}/{rounds}, {repeats} runs a side, {said}")
+                print(f"  ({time.monotonic() - began:.1f} s)")
+                continue
             for side in harness.alternated(index, (before, after)):
                 began = time.monotonic()
                 value, spent = await side.measure(measured)
@@ -440,6 +474,30 @@ async def measure_rounds(
                 took = time.monotonic() - began
                 print(f"round {index + 1}/{rounds}, {said} ({took:.1f} s)")
         print(f"round {index + 1} done, {time.monotonic() - started:.0f} s in")
+
+
+async def measure_repeated(
+    before: Side, after: Side, measured: Measurement, index: int, repeats: int
+) -> dict[str, tuple[float, Spent]]:
+    """One lifecycle measurement run `repeats` times, whole, on each side, the sides taking turns:
+    in round `index`'s order for the first run, then swapped run by run (before, after, after,
+    before, ...), so that a slow spell of the machine, or the autovacuum one side's rows set off,
+    falls on both sides' runs rather than on one side's figure. A side's jobs/s is its jobs over
+    the sum of its runs' times, and its CPU that of one run on average (`record` divides it by a
+    run's jobs)."""
+    seconds = {before.name: 0.0, after.name: 0.0}
+    spent: dict[str, list[Spent]] = {before.name: [], after.name: []}
+    sides = harness.alternated(index, (before, after))
+    for number in range(repeats):
+        for side in sides if number % 2 == 0 else sides[::-1]:
+            rate, used = await side.measure(measured)
+            print(f"  run {number + 1}/{repeats}, {side.name}: {rate:.1f} jobs/s")
+            seconds[side.name] += measured.amount / rate
+            spent[side.name].append(used)
+    return {
+        name: (repeats * measured.amount / seconds[name], Spent.mean(spent[name]))
+        for name in seconds
+    }
 
 
 async def vacuum_both(before: Side, after: Side) -> None:
@@ -483,6 +541,7 @@ async def run(sizes: Sizes | None = None) -> dict[str, Any]:
                 costs,
                 sizes.interleave,
                 sizes.vacuum,
+                sizes.repeats,
             )
     results: dict[str, Any] = {
         "baseline": name,

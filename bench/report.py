@@ -462,6 +462,12 @@ def _before_after(result: dict[str, Any], title: str, what: str) -> list[str]:
             else ""
         )
         + (", both databases vacuumed before each round's latencies" if sizes.get("vacuum") else "")
+        + (
+            f", each lifecycle run {sizes['repeats']} times a side a round, the sides taking turns "
+            "run by run"
+            if sizes.get("repeats", 1) > 1
+            else ""
+        )
         + f", medians of {sizes['rounds']} rounds; {sizes['jobs']} jobs per lifecycle run, "
         f"{sizes['samples']} samples per dispatch and demand run"
         + (f", {sizes['cancel']} cancels" if sizes.get("cancel") else "")
