@@ -30,7 +30,7 @@ less than a latency on a loaded machine, so these say where a latency's change c
 result goes to bench/results/compare.json; bench/report.py renders it.
 
 Sizes come from the environment; the defaults make the full run (bench/notes.md says how long
-it takes, about half an hour): BENCH_COMPARE_ROUNDS (5), BENCH_COMPARE_JOBS (3000 jobs per
+it takes, about 34 minutes): BENCH_COMPARE_ROUNDS (5), BENCH_COMPARE_JOBS (3000 jobs per
 throughput run), BENCH_COMPARE_RUNNERS (10,50,200), BENCH_COMPARE_SAMPLES (1000 per dispatch
 or demand run), BENCH_COMPARE_DISPATCH (10,100,1000 parked runners), BENCH_COMPARE_DEMAND
 (1,10,100 provisioners), BENCH_COMPARE_CANCEL (1000 samples; 0 leaves it out),
