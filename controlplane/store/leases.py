@@ -53,10 +53,10 @@ _NO_CAPABILITIES = object()
 
 # One autocommitted statement, one round trip. $1 execution, $2 session, $3 whether to store
 # capabilities, $4 the capabilities (NULL clears them). No index of running_jobs holds a column
-# it sets, so its update is HOT (sql/0031; tests/store/test_heartbeat.py keeps it so). The session update's WHERE depends on
-# `beat`, so the running row is updated (and locked) before the session row is touched, and the
-# session row is not touched at all when there is no lease. RETURNING old (PostgreSQL 18) gives
-# the capabilities as they were under the row lock.
+# it sets, so its update is HOT (sql/0031; tests/store/test_heartbeat.py keeps it so). The
+# session update's WHERE depends on `beat`, so the running row is updated (and locked) before the
+# session row is touched, and the session row is not touched at all when there is no lease.
+# RETURNING old (PostgreSQL 18) gives the capabilities as they were under the row lock.
 _HEARTBEAT = f"""
 WITH beat AS (
     UPDATE running_jobs
