@@ -448,24 +448,22 @@ async def measure_rounds(
             if vacuum and not vacuumed and measured.benchmark != "throughput":
                 await vacuum_both(before, after)
                 vacuumed = True
+            began = time.monotonic()
+            first, second = harness.alternated(index, (before, after))
             if interleave and measured.measure in INTERLEAVED:
-                began = time.monotonic()
-                first, second = harness.alternated(index, (before, after))
-                values = await measure_interleaved(first, second, measured)
-                for side in (before, after):
-                    value, spent = values[side.name]
-                    said = record(tracks, costs, measured, side.name, value, spent)
-                    print(f"round {index + 1}/{rounds}, interleaved, {said}")
-                print(f"  ({time.monotonic() - began:.1f} s, {first.name}'s sample first)")
-                continue
-            if measured.benchmark == "throughput" and repeats > 1:
-                began = time.monotonic()
+                found = await measure_interleaved(first, second, measured)
+                how, note = "interleaved", f", {first.name}'s sample first"
+            elif measured.benchmark == "throughput" and repeats > 1:
                 found = await measure_repeated(before, after, measured, index, repeats)
+                how, note = f"{repeats} runs a side", ""
+            else:
+                found = {}
+            if found:
                 for side in (before, after):
                     value, spent = found[side.name]
                     said = record(tracks, costs, measured, side.name, value, spent)
-                    print(f"round {index + 1}/{rounds}, {repeats} runs a side, {said}")
-                print(f"  ({time.monotonic() - began:.1f} s)")
+                    print(f"round {index + 1}/{rounds}, {how}, {said}")
+                print(f"  ({time.monotonic() - began:.1f} s{note})")
                 continue
             for side in harness.alternated(index, (before, after)):
                 began = time.monotonic()
