@@ -454,40 +454,36 @@ async def measure_rounds(
                 found = await measure_interleaved(first, second, measured)
                 how, note = "interleaved", f", {first.name}'s sample first"
             elif measured.benchmark == "throughput" and repeats > 1:
-                found = await measure_repeated(before, after, measured, index, repeats)
+                found = await measure_repeated(first, second, measured, repeats)
                 how, note = f"{repeats} runs a side", ""
             else:
-                found = {}
-            if found:
-                for side in (before, after):
-                    value, spent = found[side.name]
+                for side in (first, second):
+                    began = time.monotonic()
+                    value, spent = await side.measure(measured)
                     said = record(tracks, costs, measured, side.name, value, spent)
-                    print(f"round {index + 1}/{rounds}, {how}, {said}")
-                print(f"  ({time.monotonic() - began:.1f} s{note})")
+                    took = time.monotonic() - began
+                    print(f"round {index + 1}/{rounds}, {said} ({took:.1f} s)")
                 continue
-            for side in harness.alternated(index, (before, after)):
-                began = time.monotonic()
-                value, spent = await side.measure(measured)
+            for side in (before, after):
+                value, spent = found[side.name]
                 said = record(tracks, costs, measured, side.name, value, spent)
-                took = time.monotonic() - began
-                print(f"round {index + 1}/{rounds}, {said} ({took:.1f} s)")
+                print(f"round {index + 1}/{rounds}, {how}, {said}")
+            print(f"  ({time.monotonic() - began:.1f} s{note})")
         print(f"round {index + 1} done, {time.monotonic() - started:.0f} s in")
 
 
 async def measure_repeated(
-    before: Side, after: Side, measured: Measurement, index: int, repeats: int
+    first: Side, second: Side, measured: Measurement, repeats: int
 ) -> dict[str, tuple[float, Spent]]:
     """One lifecycle measurement run `repeats` times, whole, on each side, the sides taking turns:
-    in round `index`'s order for the first run, then swapped run by run (before, after, after,
-    before, ...), so that a slow spell of the machine, or the autovacuum one side's rows set off,
-    falls on both sides' runs rather than on one side's figure. A side's jobs/s is its jobs over
-    the sum of its runs' times, and its CPU that of one run on average (`record` divides it by a
-    run's jobs)."""
-    seconds = {before.name: 0.0, after.name: 0.0}
-    spent: dict[str, list[Spent]] = {before.name: [], after.name: []}
-    sides = harness.alternated(index, (before, after))
+    `first` first, then swapped run by run (first, second, second, first, ...), so that a slow
+    spell of the machine, or the autovacuum one side's rows set off, falls on both sides' runs
+    rather than on one side's figure. A side's jobs/s is its jobs over the sum of its runs' times,
+    and its CPU that of one run on average (`record` divides it by a run's jobs)."""
+    seconds = {first.name: 0.0, second.name: 0.0}
+    spent: dict[str, list[Spent]] = {first.name: [], second.name: []}
     for number in range(repeats):
-        for side in sides if number % 2 == 0 else sides[::-1]:
+        for side in (first, second) if number % 2 == 0 else (second, first):
             rate, used = await side.measure(measured)
             print(f"  run {number + 1}/{repeats}, {side.name}: {rate:.1f} jobs/s")
             seconds[side.name] += measured.amount / rate
