@@ -17,7 +17,8 @@
 -- entries (and their WAL, and their vacuum) each heartbeat no longer writes.
 --
 -- New pages keep 30% free so that a lease's next version fits beside it; a page's dead versions
--- are pruned as it fills, so a heartbeat stays HOT for the lease's whole life.
+-- are pruned as it fills, so a heartbeat finds room on its page unless the page is full of live
+-- rows (then that one update is not HOT, and the next may be again).
 DROP INDEX running_jobs_no_first_heartbeat_started_idx;
 DROP INDEX running_jobs_last_heartbeat_at_idx;
 ALTER TABLE running_jobs SET (fillfactor = 70);
