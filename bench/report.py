@@ -430,6 +430,18 @@ def _compare_interleaved(result: dict[str, Any]) -> list[str]:
     )
 
 
+def _compare_refactor(result: dict[str, Any]) -> list[str]:
+    """bench/compare.py with BENCH_AFTER_REF at the refactor's last commit, renamed."""
+    return _before_after(
+        result,
+        "Refactor alone: before and after (same run)",
+        "Issue 13's acceptance for the refactor's own work: the same figures through the tree "
+        f"before it ({result['baseline']}) and its last commit before issue 14's first "
+        f"({result['after']}; `BENCH_AFTER_REF={result['after']}`, the result renamed "
+        "compare_refactor.json), so that no later issue's change is in either side",
+    )
+
+
 def _policies_off(result: dict[str, Any]) -> list[str]:
     return _before_after(
         result,
@@ -588,6 +600,7 @@ RENDERERS = {
     "limits": _limits,
     "compare": _compare,
     "compare_interleaved": _compare_interleaved,
+    "compare_refactor": _compare_refactor,  # bench/compare.py's result, 1089cdd to 7569915
     "policies_off": _policies_off,  # bench/compare.py's result against 7569915, renamed
     "pages": _pages,
     "idle_sessions": _idle_sessions,
