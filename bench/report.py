@@ -436,7 +436,7 @@ def _compare_refactor(result: dict[str, Any]) -> list[str]:
         result,
         "Refactor alone: before and after (same run)",
         "Issue 13's acceptance for the refactor's own work: the same figures through the tree "
-        f"before it ({result['baseline']}) and its last commit before issue 14's first "
+        f"before it ({result['baseline']}) and its last commit before issue 14's first merge "
         f"({result['after']}; `BENCH_AFTER_REF={result['after']}`, the result renamed "
         "compare_refactor.json), so that no later issue's change is in either side",
     )
